@@ -1,0 +1,131 @@
+"""Data throughput: TokenLoader batches from token files, batch_hash, the permutation, the tokenizers.
+
+  python bench/data_speed.py           # about 2 minutes on 2 CPU cores; writes ~600 MB to a temp folder
+  python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
+"""
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # tokenize() must not reach for the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+import data
+
+SEQ, BATCH = 8192, 64  # the 7B run's sequence, and 64 of its 512 rows: one host's share at 8 hosts
+OLMO3_INSTANCES = 512 * 1_413_814  # at least this many instances in OLMo-mix-0625-official
+
+
+def timed(fn, *args, repeat=1):
+    """Seconds per call of fn(*args), and its result."""
+    t = time.perf_counter()
+    for _ in range(repeat):
+        out = fn(*args)
+    return (time.perf_counter() - t) / repeat, out
+
+
+def loader_speed(folder, rows):
+    """Batches/s of global_batch with the files evicted from the page cache (cold), then cached (warm)."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for k in range(6):  # 6 files x 25M uint32 tokens = 600 MB, lengths not multiples of SEQ
+        paths.append(os.path.join(folder, f"{k:06d}.npy"))
+        rng.integers(0, 100278, 25_000_000 + 977 * k, dtype=np.uint32).tofile(paths[-1])
+    loader = data.TokenLoader(paths, SEQ, BATCH, vocab_size=100278)
+    for p in paths:  # evict: the first reads come from the disk
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    n = 20
+    cold, _ = timed(lambda: [loader.global_batch(i) for i in range(n)])  # batches 0..19 from the disk
+    for p in paths:  # warm: every file in the page cache
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+    warm, _ = timed(lambda: [loader.global_batch(i) for i in range(n, 3 * n)])
+    for name, seconds, batches in (("cold", cold, n), ("warm", warm, 2 * n)):
+        per_s = batches / seconds
+        rows.append((f"TokenLoader.global_batch, {BATCH} x {SEQ}, page cache {name}",
+                     (f"{per_s:.1f} batches/s = {per_s * BATCH * SEQ / 1e6:.1f}M tokens/s "
+                      f"({per_s * BATCH * SEQ * 4 / 1e6:.0f} MB/s)")))
+    batch = loader.global_batch(0)
+    for b in (64, 512):
+        seconds, _ = timed(data.batch_hash, np.tile(batch, (b // BATCH, 1)), repeat=5)
+        rows.append((f"batch_hash, {b} x {SEQ}", f"{seconds * 1e3:.1f} ms"))
+
+
+def permutation_speed(n):
+    """Time and peak memory of global_indices(n) in a fresh process."""
+    # VmHWM, the process's peak resident memory (ru_maxrss would carry over this parent's peak across exec).
+    code = (f"import re, time, data\n"
+            f"hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024\n"
+            f"base = hwm(); t = time.perf_counter(); p = data.global_indices({n}, data.DEFAULT_SEED, 1)\n"
+            f"print(time.perf_counter() - t, hwm() - base)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    seconds, peak = map(float, out.stdout.split())
+    return seconds, peak
+
+
+def tokenizer_speed(folder, rows):
+    plays = data.tiny_plays()
+    texts = plays["train"] + plays["val"]
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    tiny = data.prepare_tiny(os.path.join(folder, "tiny"))
+    for name, path in (("dolma2", None), ("tiny", tiny["tokenizer"])):
+        tok = data.get_tokenizer(name, path)
+        one, ids = timed(lambda encode: [encode(t) for t in texts], tok.encode)
+        batch, _ = timed(tok.encode_batch, texts)
+        n = sum(map(len, ids))
+        rows.append((f"{name} encode, one thread, {mb:.1f} MB of Shakespeare",
+                     f"{mb / one:.1f} MB/s ({n / one / 1e6:.2f}M tokens/s, {n:,} tokens)"))
+        rows.append((f"{name} encode_batch (the tokenizer's own threads)", f"{mb / batch:.1f} MB/s"))
+    srcs = []
+    for copy in range(4):  # 152 documents, 21 MB: enough for num_proc to matter
+        for k, text in enumerate(texts):
+            srcs.append(os.path.join(folder, "txt", f"{copy}-{k:02d}.txt"))
+            os.makedirs(os.path.dirname(srcs[-1]), exist_ok=True)
+            with open(srcs[-1], "w", encoding="utf-8") as f:
+                f.write(text)
+    for num_proc in (1, 2):
+        seconds, _ = timed(data.tokenize, srcs, os.path.join(folder, f"out{num_proc}"), "dolma2", num_proc)
+        rows.append((f"tokenize(.txt, dolma2, num_proc={num_proc}), {4 * mb:.0f} MB end to end",
+                     f"{4 * mb / seconds:.1f} MB/s ({seconds:.1f} s)"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="build the permutation at the real mix's size")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        loader_speed(folder, rows)
+        for n in [100_000_000] + [OLMO3_INSTANCES] * args.full:
+            seconds, peak = permutation_speed(n)
+            rows.append((f"global_indices({n:,})",
+                         f"{seconds:.1f} s, peak +{peak / 1e9:.2f} GB ({peak / n:.1f} bytes/instance)"))
+        if not args.full:
+            scale = OLMO3_INSTANCES / 100_000_000
+            rows.append((f"global_indices({OLMO3_INSTANCES:,}), extrapolated",
+                         f"~{seconds * scale:.0f} s, ~{peak * scale / 1e9:.1f} GB"))
+        n = 100_000_000
+        data.global_indices(n, 1, 1).tofile(os.path.join(folder, "perm.npy"))
+        seconds, _ = timed(lambda: int(np.memmap(os.path.join(folder, "perm.npy"), np.uint32, "r")
+                                       .sum(dtype=np.uint64)))
+        rows.append((f"permutation cache check (sum of {n:,} uint32, page cache warm)", f"{seconds:.2f} s"))
+        tokenizer_speed(folder, rows)
+    width = max(len(name) for name, _ in rows)
+    print(f"{'what':<{width}} | result\n{'-' * width}-|-------")
+    for name, result in rows:
+        print(f"{name:<{width}} | {result}")
+    print(f"peak memory of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB")

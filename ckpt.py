@@ -1,0 +1,419 @@
+"""Checkpoints: Orbax for the training state (the only file that imports orbax), and Hugging Face
+`Olmo3ForCausalLM` directories in and out.
+
+    python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity
+    python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory
+    python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
+
+A run directory keeps `checkpoints/<step>/` with three Orbax items: `model` (parameters), `train` (optimizer
+state with the skip-step window, RNG key) and `meta` (JSON: the config, the data fingerprint and a checksum
+per array). Orbax commits atomically but does not validate what it reads back, so the checksums are ours.
+"""
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmo3 import FULL, SLIDING, Olmo3, Olmo3Config, Rope, Yarn
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face: the key map, the config, and streaming load/save.
+
+# (our leaf, HF tensor, axes of our leaf that form torch's `in` dimension). HF stores Linear weights as
+# [out, in]; we store [in..., out...], so a matrix is transposed and its grouped axes (heads, head_dim)
+# flattened. n_in == 0 marks a vector or the embedding, which keeps its layout.
+HF_LAYER_KEYS = [
+    ("self_attn.q_proj", "self_attn.q_proj.weight", 1),
+    ("self_attn.k_proj", "self_attn.k_proj.weight", 1),
+    ("self_attn.v_proj", "self_attn.v_proj.weight", 1),
+    ("self_attn.o_proj", "self_attn.o_proj.weight", 2),
+    ("self_attn.q_norm", "self_attn.q_norm.weight", 0),
+    ("self_attn.k_norm", "self_attn.k_norm.weight", 0),
+    ("post_attention_layernorm", "post_attention_layernorm.weight", 0),
+    ("mlp.gate_proj", "mlp.gate_proj.weight", 1),
+    ("mlp.up_proj", "mlp.up_proj.weight", 1),
+    ("mlp.down_proj", "mlp.down_proj.weight", 1),
+    ("post_feedforward_layernorm", "post_feedforward_layernorm.weight", 0),
+]
+HF_MODEL_KEYS = [
+    ("embed_tokens", "model.embed_tokens.weight", 0),
+    ("norm", "model.norm.weight", 0),
+    ("lm_head", "lm_head.weight", 1),
+]
+VOCAB_LEAVES = ("embed_tokens", "lm_head")  # padded to a multiple of 128 here, cut to vocab_size in HF
+
+
+def hf_names(cfg: Olmo3Config):
+    """Every tensor of the HF checkpoint in file order: (our leaf, layer index or None, HF name, n_in)."""
+    yield "embed_tokens", None, "model.embed_tokens.weight", 0
+    for i in range(cfg.n_layers):
+        for ours, theirs, n_in in HF_LAYER_KEYS:
+            yield f"layers.{ours}", i, f"model.layers.{i}.{theirs}", n_in
+    yield "norm", None, "model.norm.weight", 0
+    yield "lm_head", None, "lm_head.weight", 1
+
+
+def _leaf(model, path: str):
+    return functools.reduce(getattr, path.split("."), model)
+
+
+def _set_leaf(model, path: str, value):
+    return eqx.tree_at(lambda m: _leaf(m, path), model, value)
+
+
+def _hf_shape(shape: tuple[int, ...], n_in: int, vocab: int | None) -> tuple[int, ...]:
+    """The HF tensor's shape for one of our (per-layer) leaves of `shape`."""
+    if vocab is not None:  # embedding [vocab, d]; lm_head ours [d, vocab]
+        return (vocab, shape[0] if n_in else shape[1])
+    if n_in == 0:
+        return (int(np.prod(shape)),)
+    return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
+
+
+def hf_to_ours(t: np.ndarray, shape: tuple[int, ...], n_in: int, vocab_leaf: bool) -> np.ndarray:
+    """One HF tensor in our layout (fp32)."""
+    t = t.astype(np.float32)
+    t = t.T if n_in else t
+    if not vocab_leaf:
+        return t.reshape(shape)
+    padded = np.zeros(shape, np.float32)  # vocab rows past the checkpoint's are zero, as MaxText pads
+    padded[: t.shape[0], : t.shape[1]] = t
+    return padded
+
+
+def ours_to_hf(w: np.ndarray, n_in: int, vocab: int | None) -> np.ndarray:
+    if vocab is not None:
+        return w.T[:vocab] if n_in else w[:vocab]
+    if n_in == 0:
+        return w.reshape(-1)
+    return w.reshape(int(np.prod(w.shape[:n_in])), -1).T
+
+
+def _rope_to_hf(rope: Rope) -> dict:
+    if rope.yarn is None:
+        return {"rope_type": "default", "rope_theta": rope.theta}
+    y = rope.yarn
+    out = {"rope_type": "yarn", "rope_theta": rope.theta, "factor": y.factor, "beta_fast": y.beta_fast,
+           "beta_slow": y.beta_slow, "original_max_position_embeddings": y.original_max_position}
+    if y.attention_factor is not None:
+        out["attention_factor"] = y.attention_factor
+    if not y.truncate:
+        out["truncate"] = False
+    return out
+
+
+def _rope_from_hf(p: dict, layer_type: str, path: str) -> Rope:
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind == "default":
+        return Rope(theta=float(p["rope_theta"]))
+    if kind == "yarn":
+        if p.get("mscale") or p.get("mscale_all_dim"):
+            raise ValueError(f"{path}: YaRN with mscale/mscale_all_dim ({layer_type}) is not OLMo 3's and is not supported")
+        return Rope(theta=float(p["rope_theta"]), yarn=Yarn(
+            factor=float(p["factor"]), original_max_position=int(p["original_max_position_embeddings"]),
+            beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+            attention_factor=p.get("attention_factor"), truncate=bool(p.get("truncate", True))))
+    raise ValueError(f"{path}: rope_type {kind!r} on {layer_type} layers is not supported; "
+                     "olmo3-jax implements 'default' and 'yarn'")
+
+
+def config_to_hf(cfg: Olmo3Config, dtype: str = "float32") -> dict:
+    return {
+        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {SLIDING: _rope_to_hf(cfg.rope_sliding), FULL: _rope_to_hf(cfg.rope_full)},
+        "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
+        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "initializer_range": cfg.init_std, "use_cache": True, "dtype": dtype,
+        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "bos_token_id": None,
+    }
+
+
+def config_from_hf(hf: dict, path: str = "config.json", **overrides) -> Olmo3Config:
+    """Our config from an HF config.json; anything OLMo 3 does not have is refused, naming the key."""
+    if hf.get("model_type") != "olmo3":
+        raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, expected 'olmo3'")
+    for key, want in [("hidden_act", "silu"), ("attention_bias", False), ("tie_word_embeddings", False)]:
+        if hf.get(key, want) != want:
+            raise ValueError(f"{path}: {key}={hf[key]!r} is not supported (OLMo 3 has {want!r})")
+    heads = hf["num_attention_heads"]
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % 4 else FULL for i in range(layers)]
+    if "rope_parameters" in hf and SLIDING in hf["rope_parameters"]:
+        rp = hf["rope_parameters"]
+    else:  # older configs: one rope_theta, and rope_scaling applies to the full-attention layers only
+        base = {"rope_type": "default", "rope_theta": hf.get("rope_theta", 500_000.0)}
+        rp = {SLIDING: base, FULL: {**base, **(hf.get("rope_scaling") or {})}}
+    eos = hf.get("eos_token_id")
+    return Olmo3Config(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=layers, n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_hidden=hf["intermediate_size"], layer_types=tuple(types), sliding_window=hf.get("sliding_window") or 4096,
+        rope_sliding=_rope_from_hf(rp[SLIDING], SLIDING, path), rope_full=_rope_from_hf(rp[FULL], FULL, path),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=hf.get("max_position_embeddings", 8192),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"), **overrides)
+
+
+def _hf_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {name: path / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_hf(path, *, shardings=None, **overrides) -> Olmo3:
+    """An HF Olmo3ForCausalLM directory as our model, streamed tensor by tensor (no torch).
+
+    Host memory holds the model plus one stacked leaf; with `shardings` (a pytree like the model, from
+    shard.py) each leaf goes straight to its devices. `overrides` set compute fields (compute_dtype, ...).
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"{config_file} not found: is {path} a Hugging Face model directory?")
+    cfg = config_from_hf(json.loads(config_file.read_text()), str(config_file), **overrides)
+    files = _hf_files(path)
+    expected = {name for _, _, name, _ in hf_names(cfg)}
+    if missing := sorted(expected - files.keys()):
+        raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} in all) for the model config.json describes")
+    if extra := sorted(files.keys() - expected):
+        raise ValueError(f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM")
+
+    model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0))
+    handles = {f: safe_open(f, framework="numpy") for f in set(files.values())}
+    by_leaf = {}
+    for leaf, layer, name, n_in in hf_names(cfg):
+        by_leaf.setdefault(leaf, []).append((layer, name, n_in))
+    for leaf, entries in by_leaf.items():
+        target = _leaf(model, leaf)
+        host = np.empty(target.shape, np.float32)
+        for layer, name, n_in in entries:
+            shape = target.shape[1:] if layer is not None else target.shape
+            want = _hf_shape(shape, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None)
+            t = handles[files[name]].get_tensor(name)
+            if t.shape != want:
+                raise ValueError(f"{files[name]}: tensor {name} has shape {list(t.shape)}, expected {list(want)}")
+            host[layer if layer is not None else ...] = hf_to_ours(t, shape, n_in, leaf in VOCAB_LEAVES)
+        sharding = _leaf(shardings, leaf) if shardings is not None else None
+        model = _set_leaf(model, leaf, jax.device_put(host, sharding))
+        del host
+    return model
+
+
+def _fresh_dir(out: Path) -> Path:
+    """A temporary sibling of `out` to write into; renamed to `out` only once complete."""
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new output directory")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def save_hf(model: Olmo3, path, *, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
+    """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
+    cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several."""
+    from safetensors.numpy import save_file
+
+    cfg, out = model.cfg, Path(path)
+    tmp = _fresh_dir(out)
+    np_dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}[dtype]
+    shards, current, size = [], {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            shards.append(sorted(current))
+            save_file(current, tmp / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
+        current, size = {}, 0
+
+    for leaf, layer, name, n_in in hf_names(cfg):
+        w = np.asarray(jax.device_get(_leaf(model, leaf) if layer is None else _leaf(model, leaf)[layer]))
+        t = np.ascontiguousarray(ours_to_hf(w, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None).astype(np_dtype))
+        if size and size + t.nbytes > shard_bytes:
+            flush()
+        current[name], size = t, size + t.nbytes
+    flush()
+
+    if len(shards) == 1:
+        (tmp / "shard-1.safetensors").rename(tmp / "model.safetensors")
+    else:
+        weight_map, total = {}, 0
+        for i, names in enumerate(shards, 1):
+            final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            (tmp / f"shard-{i}.safetensors").rename(tmp / final)
+            weight_map.update({n: final for n in names})
+            total += (tmp / final).stat().st_size
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+    generation = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Orbax: the run's checkpoints.
+
+
+@jax.jit
+def checksums(arrays) -> dict:
+    """A uint32 checksum per array: sum of (bit pattern x (2i + 1)) mod 2^32 over its flat index i.
+
+    Integer sums are exact in any order, so the value does not depend on how the array is sharded (a
+    checkpoint restored onto another mesh checks out), and any single changed word changes the sum.
+    """
+
+    def one(x):
+        x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32) if x.dtype != jnp.bool_ else x.astype(jnp.uint32)
+        odd = 2 * jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) + 1
+        return jnp.sum(bits * odd, dtype=jnp.uint32)
+
+    return jax.tree.map(one, arrays)
+
+
+def _checksum_table(arrays) -> dict[str, str]:
+    sums = jax.device_get(checksums(arrays))
+    return {jax.tree_util.keystr(p): f"{int(v):08x}" for p, v in jax.tree_util.tree_leaves_with_path(sums)}
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint that cannot be read back as written."""
+
+
+class Checkpoints:
+    """The checkpoints of one run directory: asynchronous saves, validated restores, retention.
+
+    Keeps the newest `keep_last` (at least 2: the newest may still be being written) and, forever, every
+    step divisible by `keep_every`. A checkpoint that fails to restore or to match its checksums is moved
+    to RUN_DIR/quarantined/ (never deleted) and the one before it is used.
+    """
+
+    def __init__(self, run_dir, keep_last: int = 2, keep_every: int = 0):
+        import orbax.checkpoint as ocp
+
+        if keep_last < 2:
+            raise ValueError(f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write")
+        self.ocp = ocp
+        self.dir = Path(run_dir).absolute() / "checkpoints"
+        self.quarantine = self.dir.parent / "quarantined"
+        try:  # fail now, not at the first save
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise OSError(f"checkpoint directory {self.dir} is not writable: {e}") from e
+        self.options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep_last, keep_period=keep_every or None, enable_async_checkpointing=True,
+            cleanup_tmp_directories=True)  # an interrupted save's temporary folder is removed, never used
+        self._open()
+
+    def _open(self):
+        self.manager = self.ocp.CheckpointManager(self.dir, item_names=("model", "train", "meta"), options=self.options)
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, model, train=None, meta: dict | None = None) -> None:
+        """Start an asynchronous save; errors of the previous one surface here (or in wait())."""
+        ocp = self.ocp
+        items = {"model": eqx.filter(model, eqx.is_array)}
+        if train is not None:
+            items["train"] = eqx.filter(train, eqx.is_array)
+        meta = dict(meta or {}, step=step, time=time.time(), checksums={k: _checksum_table(v) for k, v in items.items()})
+        args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
+        if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
+            return
+        self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args), force=True)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def read_meta(self, step: int) -> dict:
+        try:
+            return self.manager.restore(step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())).meta
+        except Exception as e:
+            raise CorruptCheckpoint(f"meta unreadable: {e}") from e
+
+    def read(self, step: int, model_like, train_like=None):
+        """Restore step into the shapes and shardings of the given (abstract) trees, checksums verified."""
+        ocp = self.ocp
+        meta = self.read_meta(step)
+        targets = {"model": model_like} if train_like is None or "train" not in meta.get("checksums", {}) \
+            else {"model": model_like, "train": train_like}
+        abstract = {k: jax.tree.map(_abstract, eqx.filter(v, _is_array)) for k, v in targets.items()}
+        try:
+            got = self.manager.restore(step, args=ocp.args.Composite(
+                **{k: ocp.args.StandardRestore(v) for k, v in abstract.items()}))
+        except Exception as e:
+            raise CorruptCheckpoint(f"arrays unreadable: {type(e).__name__}: {e}") from e
+        for k in targets:
+            found, saved = _checksum_table(got[k]), meta["checksums"].get(k)
+            if found != saved:
+                bad = sorted(p for p in found if found[p] != (saved or {}).get(p))
+                raise CorruptCheckpoint(f"checksum mismatch in {k}: {bad[:5]}")
+        restored = {k: eqx.combine(got[k], targets[k]) for k in targets}
+        return restored["model"], restored.get("train"), meta
+
+    def restore_latest(self, model_like, train_like=None, check=None):
+        """Newest valid checkpoint as (step, model, train, meta), or None. `check(meta)` may raise to refuse
+        a checkpoint written with another configuration; that is an error, not a corruption."""
+        for step in reversed(self.steps()):
+            try:
+                meta = self.read_meta(step)
+                if check is not None:
+                    check(meta)
+                model, train, meta = self.read(step, model_like, train_like)
+                return step, model, train, meta
+            except CorruptCheckpoint as e:
+                self.set_aside(step, str(e))
+        return None
+
+    def set_aside(self, step: int, reason: str) -> None:
+        self.quarantine.mkdir(exist_ok=True)
+        target = self.quarantine / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        warnings.warn(f"checkpoint {self.dir / str(step)} is corrupt ({reason}); moved to {target}, "
+                      "falling back to the one before it")
+        shutil.move(str(self.dir / str(step)), str(target))
+        self._open()  # the manager caches its step list
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)

