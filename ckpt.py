@@ -302,19 +302,20 @@ def checksums(arrays) -> dict:
 
 def _checksum_table(arrays) -> dict[str, str]:
     sums = jax.device_get(checksums(arrays))
-    return {jax.tree_util.keystr(p): f"{int(v):08x}" for p, v in jax.tree_util.tree_leaves_with_path(sums)}
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): f"{int(v):08x}"
+            for p, v in jax.tree_util.tree_leaves_with_path(sums)}
 
 
 class CorruptCheckpoint(Exception):
-    """A committed checkpoint that cannot be read back as written."""
+    """A committed checkpoint that cannot be read back as it was written."""
 
 
 class Checkpoints:
     """The checkpoints of one run directory: asynchronous saves, validated restores, retention.
 
     Keeps the newest `keep_last` (at least 2: the newest may still be being written) and, forever, every
-    step divisible by `keep_every`. A checkpoint that fails to restore or to match its checksums is moved
-    to RUN_DIR/quarantined/ (never deleted) and the one before it is used.
+    step divisible by `keep_every`. Restoring skips a checkpoint that fails to read or to match its
+    checksums: it is moved to RUN_DIR/quarantined/ (never deleted) and the one before it is used.
     """
 
     def __init__(self, run_dir, keep_last: int = 2, keep_every: int = 0):
@@ -325,9 +326,9 @@ class Checkpoints:
         self.ocp = ocp
         self.dir = Path(run_dir).absolute() / "checkpoints"
         self.quarantine = self.dir.parent / "quarantined"
-        try:  # fail now, not at the first save
+        try:  # fail at the start, not at the first save an hour later
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / ".write-test"
+            probe = self.dir / f".write-test-{os.getpid()}"
             probe.write_text("ok")
             probe.unlink()
         except OSError as e:
@@ -338,59 +339,87 @@ class Checkpoints:
         self._open()
 
     def _open(self):
-        self.manager = self.ocp.CheckpointManager(self.dir, item_names=("model", "train", "meta"), options=self.options)
+        ocp = self.ocp  # handlers named up front, so a fresh process can read metadata before any restore
+        handlers = {"model": ocp.StandardCheckpointHandler(), "train": ocp.StandardCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=self.options)
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, model, train=None, meta: dict | None = None) -> None:
-        """Start an asynchronous save; errors of the previous one surface here (or in wait())."""
+        """Start an asynchronous save. The write goes on in the background; a failed one raises here, at
+        the next save, or in wait()/close(), naming the directory."""
+        if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
+            return
         ocp = self.ocp
         items = {"model": eqx.filter(model, eqx.is_array)}
         if train is not None:
             items["train"] = eqx.filter(train, eqx.is_array)
         meta = dict(meta or {}, step=step, time=time.time(), checksums={k: _checksum_table(v) for k, v in items.items()})
-        args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
-        if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
-            return
-        self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args), force=True)
+        try:
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                meta=ocp.args.JsonSave(meta), **{k: ocp.args.StandardSave(v) for k, v in items.items()}))
+        except Exception as e:
+            raise OSError(f"saving checkpoint {step} under {self.dir} failed: {e}") from e
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise OSError(f"a checkpoint save under {self.dir} failed: {e}") from e
+
+    def check(self) -> None:
+        """Raise now if a background save has failed (cheap; the loop calls it every step)."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise OSError(f"a checkpoint save under {self.dir} failed: {e}") from e
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self.wait()
         self.manager.close()
 
     def read_meta(self, step: int) -> dict:
         try:
             return self.manager.restore(step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())).meta
         except Exception as e:
-            raise CorruptCheckpoint(f"meta unreadable: {e}") from e
+            raise CorruptCheckpoint(f"meta unreadable: {type(e).__name__}: {e}") from e
 
-    def read(self, step: int, model_like, train_like=None):
-        """Restore step into the shapes and shardings of the given (abstract) trees, checksums verified."""
+    def read(self, step: int, model_like=None, train_like=None):
+        """Step `step` as (model, train, meta), checksums verified.
+
+        `model_like`/`train_like` are (abstract) trees giving structure, shapes and target shardings; with
+        None an item comes back as the nested dict Orbax stores, on this process's first device.
+        """
         ocp = self.ocp
         meta = self.read_meta(step)
-        targets = {"model": model_like} if train_like is None or "train" not in meta.get("checksums", {}) \
-            else {"model": model_like, "train": train_like}
-        abstract = {k: jax.tree.map(_abstract, eqx.filter(v, _is_array)) for k, v in targets.items()}
+        stored = [k for k in ("model", "train") if k in meta.get("checksums", {})]
+        wanted = {"model": model_like, "train": train_like}
+        metadata = self.manager.item_metadata(step)
+        abstract = {}
+        for k in stored:
+            like = wanted[k]
+            if like is None:
+                one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+                like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), metadata[k].tree)
+            abstract[k] = jax.tree.map(_abstract, eqx.filter(like, _is_array))
         try:
             got = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in abstract.items()}))
         except Exception as e:
             raise CorruptCheckpoint(f"arrays unreadable: {type(e).__name__}: {e}") from e
-        for k in targets:
-            found, saved = _checksum_table(got[k]), meta["checksums"].get(k)
+        for k in stored:
+            found, saved = _checksum_table(got[k]), meta["checksums"][k]
             if found != saved:
-                bad = sorted(p for p in found if found[p] != (saved or {}).get(p))
+                bad = sorted(p for p in found.keys() | saved.keys() if found.get(p) != saved.get(p))
                 raise CorruptCheckpoint(f"checksum mismatch in {k}: {bad[:5]}")
-        restored = {k: eqx.combine(got[k], targets[k]) for k in targets}
-        return restored["model"], restored.get("train"), meta
+        out = {k: eqx.combine(got[k], wanted[k]) if wanted[k] is not None else got[k] for k in stored}
+        return out.get("model"), out.get("train"), meta
 
     def restore_latest(self, model_like, train_like=None, check=None):
-        """Newest valid checkpoint as (step, model, train, meta), or None. `check(meta)` may raise to refuse
-        a checkpoint written with another configuration; that is an error, not a corruption."""
+        """The newest valid checkpoint as (step, model, train, meta), or None. `check(meta)` may raise to
+        refuse a checkpoint of another configuration: that is an error, not a corruption."""
         for step in reversed(self.steps()):
             try:
                 meta = self.read_meta(step)
@@ -408,7 +437,7 @@ class Checkpoints:
         warnings.warn(f"checkpoint {self.dir / str(step)} is corrupt ({reason}); moved to {target}, "
                       "falling back to the one before it")
         shutil.move(str(self.dir / str(step)), str(target))
-        self._open()  # the manager caches its step list
+        self._open()  # the manager caches its list of steps
 
 
 def _is_array(x) -> bool:
@@ -417,3 +446,103 @@ def _is_array(x) -> bool:
 
 def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _abstract_model(cfg: Olmo3Config):
+    """The model's structure with every array abstract and placed on this process's first device."""
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) if _is_array(x) else x, model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _directory_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def list_checkpoints(run_dir) -> list[dict]:
+    """Every committed checkpoint of a run with its size, time and whether it reads back intact."""
+    ckpts = Checkpoints(run_dir)
+    rows = []
+    for step in ckpts.steps():
+        row = dict(step=step, size=_directory_size(ckpts.dir / str(step)), time=None, valid=True, problem="")
+        try:
+            _, _, meta = ckpts.read(step)
+            row["time"] = meta.get("time")
+        except CorruptCheckpoint as e:
+            row.update(valid=False, problem=str(e))
+        rows.append(row)
+    ckpts.close()
+    return rows
+
+
+def export_hf(run_dir, out, step: int | None = None, dtype: str = "float32") -> int:
+    """Write the newest valid checkpoint of a run (or `step`) as an HF directory; returns its step."""
+    ckpts = Checkpoints(run_dir)
+    candidates = [step] if step is not None else list(reversed(ckpts.steps()))
+    if not candidates or (step is not None and step not in ckpts.steps()):
+        raise FileNotFoundError(f"{ckpts.dir} has no checkpoint{f' at step {step}' if step is not None else ''} "
+                                f"(steps: {ckpts.steps()})")
+    for s in candidates:
+        try:
+            cfg = config_from_hf(ckpts.read_meta(s)["model"], f"{ckpts.dir / str(s)} meta")
+            model, _, _ = ckpts.read(s, _abstract_model(cfg))
+            break
+        except CorruptCheckpoint as e:
+            if step is not None:
+                raise
+            print(f"checkpoint {s} is corrupt ({e}); trying the one before it", file=sys.stderr)
+    else:
+        raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
+    ckpts.close()
+    save_hf(model, out, dtype=dtype)
+    return s
+
+
+def import_hf(hf_dir, run_dir) -> None:
+    """An HF directory as step 0 of a run directory: `train.py --run_dir RUN_DIR` continues from it."""
+    model = load_hf(hf_dir)
+    ckpts = Checkpoints(run_dir)
+    if ckpts.steps():
+        raise FileExistsError(f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory")
+    ckpts.save(0, model, meta={"model": config_to_hf(model.cfg), "source": str(Path(hf_dir).absolute())})
+    ckpts.close()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="ckpt.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="checkpoints of a run directory with step, size, time and validity")
+    p.add_argument("run_dir")
+    p = sub.add_parser("to-hf", help="export a checkpoint as a Hugging Face Olmo3ForCausalLM directory")
+    p.add_argument("run_dir")
+    p.add_argument("out")
+    p.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
+    p.add_argument("hf_dir")
+    p.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        rows = list_checkpoints(args.run_dir)
+        print(f"{'step':>10}  {'size':>10}  {'saved':<19}  valid")
+        for r in rows:
+            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r["time"] else "?"
+            print(f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}")
+        if not rows:
+            print(f"no checkpoints in {Path(args.run_dir) / 'checkpoints'}")
+        return 0 if all(r["valid"] for r in rows) else 1
+    if args.command == "to-hf":
+        step = export_hf(args.run_dir, args.out, args.step, args.dtype)
+        print(f"wrote step {step} of {args.run_dir} to {args.out}")
+    else:
+        import_hf(args.hf_dir, args.run_dir)
+        print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with: python train.py --run_dir {args.run_dir} ...")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

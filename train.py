@@ -109,9 +109,10 @@ PRESETS = {
 
 # Fields that change the numbers a run computes; resuming with any of them changed needs
 # --allow_config_change. The rest (mesh, microbatch, remat, intervals, ...) may change freely.
-RECIPE_FIELDS = ("preset", "head_layout", "data", "data_root", "seq_len", "global_batch", "seed", "init_seed",
-                 "lr", "warmup_steps", "lr_horizon", "lr_final", "steps", "beta1", "beta2", "eps",
-                 "weight_decay", "clip", "skip_sigma", "skip_window", "z_loss", "compute_dtype", "init_from_hf")
+# The data itself is compared through its fingerprint (files and sizes), so it may move to another mount.
+RECIPE_FIELDS = ("preset", "head_layout", "seq_len", "global_batch", "seed", "init_seed", "lr", "warmup_steps",
+                 "lr_horizon", "lr_final", "steps", "beta1", "beta2", "eps", "weight_decay", "clip", "skip_sigma",
+                 "skip_window", "z_loss", "compute_dtype")
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -377,6 +378,21 @@ def main(cfg: TrainConfig) -> int:
     shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
     lead = jax.process_index() == 0  # only process 0 prints, logs and plots; all take part in checkpoints
     say = print if lead else (lambda *a, **k: None)
+
+    # Preemption, handled from the start: restoring and compiling take minutes at scale. One process:
+    # SIGTERM/SIGINT ask for a save at the next step boundary; a second signal exits at once (Orbax commits
+    # by rename, so the last committed checkpoint is never harmed). Several processes: JAX's preemption
+    # service tells all of them the same step (a Python handler here would silently disable it).
+    stop = {"signals": 0}
+    if jax.process_count() == 1:
+        def on_signal(signum, frame):
+            stop["signals"] += 1
+            if stop["signals"] > 1:
+                os._exit(128 + signum)
+            say(f"\nsignal {signum}: saving at the next step boundary, then exiting")
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mesh = shard.make_mesh(cfg.mesh)
@@ -471,20 +487,6 @@ def main(cfg: TrainConfig) -> int:
         checkpoints.close()
         return 0
 
-    # Preemption. One process: SIGTERM/SIGINT ask for a save at the next step boundary; a second signal
-    # exits at once (Orbax commits by rename, so the last committed checkpoint is never harmed). Several
-    # processes: JAX's preemption service tells all of them the same step (a Python handler here would
-    # silently disable it).
-    stop = {"signals": 0}
-    if jax.process_count() == 1:
-        def on_signal(signum, frame):
-            stop["signals"] += 1
-            if stop["signals"] > 1:
-                os._exit(128 + signum)
-            say(f"\nsignal {signum}: saving at the next step boundary, then exiting")
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
     def put(rows):  # runs on the prefetch thread: hash the rows, move them to the devices
         return shard.put_batch(rows, mesh, cfg.global_batch), data.batch_hash(rows, row_ids)
 
@@ -527,6 +529,7 @@ def main(cfg: TrainConfig) -> int:
             model, opt, metrics = step_fn(model, opt, batch, jnp.float32(lr_at(step, cfg)))
             if pending:  # read the previous step's numbers while this one runs
                 record(*pending)
+            checkpoints.check()  # a failed background save stops the run now, not at the next save
             pending = (step, metrics, wait, batch_hash)
             preempted = stop["signals"] > 0 or (world > 1 and checkpoints.manager.reached_preemption(step))
             if step % cfg.ckpt_every == 0 or step == cfg.steps or preempted:

@@ -1,0 +1,58 @@
+"""Run train.py with a fault injected at a chosen moment, for the resumption tests.
+
+    python tests/faults.py MOMENT:STEP [train.py flags...]
+
+mid_step:S      SIGKILL right after step S is dispatched, before its results are read
+during_save:S   SIGKILL while checkpoint S is being written in the background
+after_commit:S  SIGKILL right after checkpoint S is committed
+disk_full:S     from checkpoint S on, no file may grow past 1 MB (writes fail as on a full disk)
+none:0          no fault
+"""
+
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ckpt  # noqa: E402
+import train  # noqa: E402
+
+moment, at = sys.argv[1].split(":")
+at = int(at)
+dispatched = {"step": 0}
+real_lr_at, real_train_step, real_save = train.lr_at, train.train_step, ckpt.Checkpoints.save
+
+
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lr_at(step, cfg):
+    dispatched["step"] = step  # the loop asks for the LR of the step it is about to dispatch
+    return real_lr_at(step, cfg)
+
+
+def train_step(*args, **kwargs):
+    out = real_train_step(*args, **kwargs)
+    if moment == "mid_step" and dispatched["step"] == at:
+        kill()
+    return out
+
+
+def save(self, step, *args, **kwargs):
+    if moment == "disk_full" and step == at:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    real_save(self, step, *args, **kwargs)
+    if moment == "during_save" and step == at:
+        kill()
+    if moment == "after_commit" and step == at:
+        self.wait()
+        kill()
+
+
+train.lr_at, train.train_step, ckpt.Checkpoints.save = lr_at, train_step, save
+sys.exit(train.main(train.parse_args(sys.argv[2:])))

@@ -1,0 +1,329 @@
+"""Checkpoints and resumption: a run killed anywhere and restarted logs every step bitwise equal to an
+uninterrupted run; SIGTERM saves and exits 0; corrupt checkpoints are set aside; bad configs are refused."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import ckpt
+import olmo3
+import shard
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 12
+FLAGS = ["--preset", "tiny", "--seq_len", "64", "--global_batch", "4", "--steps", str(STEPS), "--lr_horizon",
+         str(STEPS), "--warmup_steps", "3", "--ckpt_every", "3", "--eval_every", "1000", "--samples", "0"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    # A shared compilation cache makes each restarted process start in seconds.
+    cache = tmp_path_factory.mktemp("jax-cache")
+    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def run(env, run_dir, data_root, *extra, fault="none:0", wait=True):
+    cmd = [sys.executable, str(ROOT / "tests" / "faults.py"), fault, *FLAGS, "--run_dir", str(run_dir),
+           "--data_root", str(data_root), *extra]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def final_model(run_dir, step=STEPS):
+    model, _, _ = ckpt.Checkpoints(run_dir).read(step)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(env, tiny_data, tmp_path_factory):
+    """The uninterrupted run."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    out = run(env, run_dir, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    logged = {r["step"]: r for r in rows(run_dir)}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    return run_dir, logged
+
+
+def assert_same_as_reference(run_dir, reference):
+    ref_dir, ref_rows = reference
+    logged = rows(run_dir)
+    assert {r["step"] for r in logged} == set(range(1, STEPS + 1)), "a step is missing"
+    for r in logged:  # every attempt's rows, repeated steps included, bit for bit
+        want = ref_rows[r["step"]]
+        for key in ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipped"):
+            assert r[key] == want[key], f"step {r['step']} {key}: {r[key]!r} != {want[key]!r}"
+    ours, theirs = final_model(run_dir), final_model(ref_dir)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_same_run_twice_is_bitwise_identical(env, tiny_data, reference, tmp_path):
+    # The premise of everything below (CPU XLA with several threads could break it: jax-ml/jax#39741).
+    out = run(env, tmp_path, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_as_reference(tmp_path, reference)
+
+
+def test_killed_three_times_in_a_row_resumes_bitwise(env, tiny_data, reference, tmp_path):
+    for fault in ["mid_step:5", "during_save:6", "after_commit:9"]:
+        out = run(env, tmp_path, tiny_data, fault=fault)
+        assert out.returncode == -signal.SIGKILL, (fault, out.stderr[-3000:])
+    out = run(env, tmp_path, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from" in out.stdout and f"(step 9)" in out.stdout
+    assert_same_as_reference(tmp_path, reference)
+
+
+def test_kill_before_the_first_checkpoint_starts_over(env, tiny_data, reference, tmp_path):
+    assert run(env, tmp_path, tiny_data, fault="mid_step:2").returncode == -signal.SIGKILL
+    out = run(env, tmp_path, tiny_data)
+    assert out.returncode == 0 and "resuming from" not in out.stdout
+    assert_same_as_reference(tmp_path, reference)
+
+
+def wait_for_steps(run_dir, n, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (Path(run_dir) / "metrics.jsonl").exists() and len(rows(run_dir)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise TimeoutError(f"fewer than {n} steps logged in {timeout} s")
+
+
+def test_sigterm_saves_at_the_next_step_and_exits_0(env, tiny_data, reference, tmp_path):
+    proc = run(env, tmp_path, tiny_data, wait=False)
+    wait_for_steps(tmp_path, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "exiting for the preemption" in stdout
+    saved = ckpt.Checkpoints(tmp_path).steps()
+    assert saved and saved[-1] >= 4 and saved[-1] < STEPS
+    out = run(env, tmp_path, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"(step {saved[-1]})" in out.stdout
+    assert_same_as_reference(tmp_path, reference)
+
+
+def read_until(proc, text, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, f"exited before printing {text!r}"
+        if text in line:
+            return
+    raise TimeoutError(text)
+
+
+def test_second_signal_exits_at_once_and_harms_nothing(env, tiny_data, reference, tmp_path):
+    # A finished run extended by two steps: its first step boundary comes only after the compile, which
+    # leaves time for a second signal while the first waits for it.
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    extend = ["--steps", str(STEPS + 2), "--allow_config_change"]
+    proc = run(env, run_dir, tiny_data, *extend, wait=False)
+    read_until(proc, "resuming from")
+    proc.send_signal(signal.SIGINT)
+    read_until(proc, "saving at the next step boundary")
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert ckpt.Checkpoints(run_dir).steps() == [9, STEPS]
+    out = run(env, run_dir, tiny_data, *extend)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"(step {STEPS})" in out.stdout and max(r["step"] for r in rows(run_dir)) == STEPS + 2
+
+
+def largest_file(path: Path) -> Path:
+    return max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def truncate(step_dir):
+    f = largest_file(step_dir / "model")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def flip_byte(step_dir):
+    f = largest_file(step_dir / "train")
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def delete_item(step_dir):
+    shutil.rmtree(step_dir / "train")
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_byte, delete_item])
+def test_corrupt_checkpoint_is_set_aside_and_the_previous_used(env, tiny_data, reference, tmp_path, damage):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    damage(run_dir / "checkpoints" / str(STEPS))
+    out = run(env, run_dir, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "is corrupt" in out.stderr and "(step 9)" in out.stdout
+    assert [p.name.split("-")[0] for p in (run_dir / "quarantined").iterdir()] == [str(STEPS)]
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_finished_run_exits_0_and_trains_nothing(env, tiny_data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    before = (run_dir / "metrics.jsonl").read_text()
+    out = run(env, run_dir, tiny_data)
+    assert out.returncode == 0 and "already complete" in out.stdout
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert ckpt.Checkpoints(run_dir).steps() == [9, STEPS]
+
+
+def test_changed_recipe_is_refused_unless_allowed(env, tiny_data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    out = run(env, run_dir, tiny_data, "--seed", "7")
+    assert out.returncode != 0 and "seed: 34521 -> 7" in out.stderr
+    out = run(env, run_dir, tiny_data, "--global_batch", "8")
+    assert out.returncode != 0 and "global_batch: 4 -> 8" in out.stderr
+    out = run(env, run_dir, tiny_data, "--head_layout", "2x128", "--allow_config_change")
+    assert out.returncode != 0 and "another model shape" in out.stderr
+    out = run(env, run_dir, tiny_data, "--steps", "14")
+    assert out.returncode != 0 and "steps: 12 -> 14" in out.stderr and "--allow_config_change" in out.stderr
+    out = run(env, run_dir, tiny_data, "--steps", "14", "--allow_config_change")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [r["step"] for r in rows(run_dir)][-2:] == [13, 14]
+
+
+def test_disk_full_surfaces_with_the_path_and_keeps_the_last_checkpoint(env, tiny_data, reference, tmp_path):
+    out = run(env, tmp_path, tiny_data, fault="disk_full:6")
+    assert out.returncode not in (0, -signal.SIGKILL)
+    assert str(tmp_path / "checkpoints") in out.stderr and "failed" in out.stderr
+    assert ckpt.Checkpoints(tmp_path).steps() == [3]  # 6 never committed; 3 untouched
+    # The write fails in the background; the loop checks every step and stops as soon as Orbax reports it,
+    # at the latest when it would save again: it never carries on without checkpoints.
+    assert max(r["step"] for r in rows(tmp_path)) <= 9
+    out = run(env, tmp_path, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_as_reference(tmp_path, reference)
+
+
+def test_unwritable_run_dir_fails_at_the_start(env, tiny_data, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = run(env, blocker / "run", tiny_data)
+    assert out.returncode != 0 and str(blocker) in out.stderr
+
+
+def test_restore_onto_another_mesh_is_bitwise(tmp_path):
+    cfg = train.PRESETS["tiny"]
+    mcfg = olmo3.PRESETS["tiny"]
+    abstract = eqx.filter_eval_shape(olmo3.Olmo3, mcfg, key=jax.random.key(0))
+    abstract_opt = eqx.filter_eval_shape(train.init_opt, abstract, cfg)
+
+    def on(mesh_spec):
+        mesh = shard.make_mesh(mesh_spec)
+        return shard.shardings(abstract, mesh), shard.shardings(abstract_opt, mesh)
+
+    model_sh, opt_sh = on("fsdp=4,tensor=2")
+    model = eqx.filter_jit(lambda k: eqx.filter_shard(olmo3.Olmo3(mcfg, key=k), model_sh))(jax.random.key(3))
+    opt = train.init_opt(model, cfg)
+    opt = dataclasses.replace(opt, mu=jax.tree.map(lambda w: w * 0.5, eqx.filter(model, eqx.is_array)))
+    opt = eqx.filter_shard(opt, opt_sh)
+    saver = ckpt.Checkpoints(tmp_path)
+    saver.save(5, model, {"opt": opt}, {"note": "8 devices"})
+    saver.close()
+    for spec in ["fsdp=4", "data=1", "tensor=2"]:
+        m_sh, o_sh = on(spec)
+        like_model = train.with_shardings(abstract, m_sh)
+        like_opt = train.with_shardings(abstract_opt, o_sh)
+        got_model, got_train, meta = ckpt.Checkpoints(tmp_path).read(5, like_model, {"opt": like_opt})
+        assert meta["note"] == "8 devices"
+        for a, b in zip(jax.tree.leaves((model, opt)), jax.tree.leaves((got_model, got_train["opt"])), strict=True):
+            if isinstance(a, jax.Array):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), spec
+                assert b.sharding.mesh.size == shard.make_mesh(spec).size
+
+
+def test_checksums_do_not_depend_on_sharding():
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    mesh = shard.make_mesh("fsdp=8")
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+    assert int(ckpt.checksums(x)) == int(ckpt.checksums(sharded))
+    y = np.asarray(x).copy()
+    y.reshape(-1).view(np.uint8)[100] ^= 1  # one flipped bit
+    assert int(ckpt.checksums(jax.numpy.asarray(y))) != int(ckpt.checksums(x))
+
+
+def test_keep_last_below_two_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="keep at least 2"):
+        ckpt.Checkpoints(tmp_path, keep_last=1)
+
+
+# ---- the command line: list, to-hf, from-hf
+
+
+def ckpt_cli(*args):
+    return subprocess.run([sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_list_shows_steps_and_validity(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    out = ckpt_cli("list", run_dir)
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[0] for line in out.stdout.splitlines()[1:]] == ["9", str(STEPS)]
+    flip_byte(run_dir / "checkpoints" / "9")
+    out = ckpt_cli("list", run_dir)
+    assert out.returncode == 1 and "NO: checksum mismatch in train" in out.stdout
+
+
+def test_to_hf_exports_what_transformers_loads(reference, tmp_path):
+    import torch
+    from transformers import Olmo3ForCausalLM
+
+    out = ckpt_cli("to-hf", reference[0], tmp_path / "hf")
+    assert out.returncode == 0, out.stderr
+    hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    saved = ckpt.Checkpoints(reference[0])
+    cfg = ckpt.config_from_hf(saved.read_meta(STEPS)["model"])
+    ours, _, _ = saved.read(STEPS, ckpt._abstract_model(cfg))
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 50))
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.as_tensor(ids)).logits.numpy()[0]
+    mine = np.asarray(ours(jax.numpy.asarray(ids[0])))[:, : cfg.vocab_size]
+    assert np.abs(mine - theirs).max() / np.abs(theirs).max() < 1e-5
+
+
+def test_from_hf_starts_a_run_at_step_0(env, tiny_data, reference, tmp_path):
+    assert ckpt_cli("to-hf", reference[0], tmp_path / "hf").returncode == 0
+    out = ckpt_cli("from-hf", tmp_path / "hf", tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    assert ckpt.Checkpoints(tmp_path / "run").steps() == [0]
+    out = run(env, tmp_path / "run", tiny_data, "--steps", "2", "--lr_horizon", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from" in out.stdout and "(step 0)" in out.stdout
+    first = rows(tmp_path / "run")[0]
+    # Training continues from the exported weights: the first loss is the trained model's, far below ln(8192).
+    assert first["loss"] < reference[1][STEPS]["loss"] + 0.5
