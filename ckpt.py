@@ -328,7 +328,7 @@ class Checkpoints:
         self.quarantine = self.dir.parent / "quarantined"
         try:  # fail at the start, not at the first save an hour later
             self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".write-test-{os.getpid()}"
+            probe = self.dir / f".write-test-{jax.process_index()}-{os.getpid()}"  # hosts may share the dir
             probe.write_text("ok")
             probe.unlink()
         except OSError as e:
@@ -432,11 +432,16 @@ class Checkpoints:
         return None
 
     def set_aside(self, step: int, reason: str) -> None:
-        self.quarantine.mkdir(exist_ok=True)
         target = self.quarantine / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
         warnings.warn(f"checkpoint {self.dir / str(step)} is corrupt ({reason}); moved to {target}, "
                       "falling back to the one before it")
-        shutil.move(str(self.dir / str(step)), str(target))
+        if jax.process_index() == 0:  # every process found the same fault (the checksums are global)
+            self.quarantine.mkdir(exist_ok=True)
+            shutil.move(str(self.dir / str(step)), str(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         self._open()  # the manager caches its list of steps
 
 

@@ -331,16 +331,23 @@ class Olmo3(eqx.Module):
         """Next-token logits in fp32 over the padded vocab (rows past cfg.vocab_size are padding)."""
         return self.logits(self.features(tokens))
 
-    def logits(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq vocab"]:
-        head = self.lm_head.astype(self.cfg.compute_dtype)
+    def logits(self, x: Float[Array, "seq embed"], gather=None) -> Float[Array, "seq vocab"]:
+        head = self.as_used(gather).lm_head
         return jnp.einsum("sd,dv->sv", x, head, preferred_element_type=jnp.float32)
 
-    def features(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq embed"]:
+    def as_used(self, gather=None) -> "Olmo3":
+        """The weights as the layers use them. The dtype policy, in one place: fp32 master weights, cast
+        to the compute dtype here (RMSNorm, RoPE, softmax and the logits still compute in fp32 inside).
+        Then `gather` (shard.gather) places them: with FSDP it all-gathers each weight where it is used,
+        except the layer stack, which the scan gathers one layer at a time."""
+        dtype = self.cfg.compute_dtype
+        model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
+        return gather(model) if gather else model
+
+    def features(self, tokens: Int[Array, " seq"], gather=None) -> Float[Array, "seq embed"]:
         """The final-normed hidden states that the LM head reads."""
         cfg = self.cfg
-        # The dtype policy, in one place: fp32 master weights, cast once to the compute dtype. RMSNorm,
-        # RoPE, softmax and the logits still compute in fp32 inside.
-        model = jax.tree.map(lambda w: w.astype(cfg.compute_dtype) if eqx.is_inexact_array(w) else w, self)
+        model = self.as_used(gather)
         x = model.embed_tokens[tokens]
 
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
@@ -351,7 +358,8 @@ class Olmo3(eqx.Module):
 
         def group(x, blocks):
             for i, t in enumerate(types):
-                x = jax.tree.map(lambda w: w[i], blocks)(x, *ropes[t], cfg.window(t), cfg)
+                block = jax.tree.map(lambda w: w[i], blocks)
+                x = (gather(block) if gather else block)(x, *ropes[t], cfg.window(t), cfg)
             return x, None
 
         if cfg.remat != "none":

@@ -14,6 +14,7 @@ shared/docs/olmo3-spec.md section 3.
 
 import dataclasses
 import difflib
+import glob
 import json
 import math
 import os
@@ -242,21 +243,21 @@ def targeted_sums(ce, lse):
     return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
 
 
-def sequence_losses(model: olmo3.Olmo3, tokens: Int[Array, " seq"], chunk: int):
-    x = model.features(tokens)
+def sequence_losses(model: olmo3.Olmo3, tokens: Int[Array, " seq"], chunk: int, gather=None):
+    x = model.features(tokens, gather)
     targets = jnp.roll(tokens, -1)
     if not chunk or chunk >= tokens.shape[0]:
-        return targeted_sums(*cross_entropy(model.logits(x), targets))
+        return targeted_sums(*cross_entropy(model.logits(x, gather), targets))
     # Chunk the LM head and recompute each chunk's logits in the backward pass, so the fp32 logits of the
     # whole sequence (8192 x 100352 x 4 bytes = 3.3 GB per instance) never exist at once.
-    per_chunk = eqx.filter_checkpoint(lambda m, x, t: cross_entropy(m.logits(x), t))
+    per_chunk = eqx.filter_checkpoint(lambda m, x, t: cross_entropy(m.logits(x, gather), t))
     xs, ts = x.reshape(-1, chunk, x.shape[-1]), targets.reshape(-1, chunk)
     ce, lse = jax.lax.map(lambda xt: per_chunk(model, *xt), (xs, ts))
     return targeted_sums(ce.reshape(-1), lse.reshape(-1))
 
 
-def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig):
-    ce, zz = jax.vmap(lambda t: sequence_losses(model, t, cfg.loss_chunk))(tokens)
+def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, gather=None):
+    ce, zz = jax.vmap(lambda t: sequence_losses(model, t, cfg.loss_chunk, gather))(tokens)
     ce, z = ce.sum() / n_targets, cfg.z_loss * zz.sum() / n_targets
     return ce + z, (ce, z)
 
@@ -267,14 +268,17 @@ def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig):
 
 
 @eqx.filter_jit(donate="all")
-def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: int, out_shardings=None):
+def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: int, mesh=None):
+    """On a mesh (shard.py), the model and optimizer state keep their shardings, and each weight is
+    all-gathered where a layer uses it (shard.gather)."""
     rows, seq = batch.shape
+    gather = None if mesh is None else lambda tree: shard.gather(tree, mesh)
     n_targets = rows * (seq - 1)
     params = eqx.filter(model, eqx.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
 
     def accumulate(acc, tokens):
-        (_, (ce, z)), grads = grad_fn(model, tokens, n_targets, cfg)
+        (_, (ce, z)), grads = grad_fn(model, tokens, n_targets, cfg, gather)
         return jax.tree.map(jnp.add, acc, (grads, ce, z)), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
@@ -285,15 +289,17 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
     grad_norm = optax.tree.norm(grads)
     new_params, opt, skipped = optimizer_step(params, grads, opt, lr, ce, grad_norm, cfg)
     model = eqx.combine(new_params, model)
-    if out_shardings is not None:
-        model, opt = eqx.filter_shard((model, opt), out_shardings)
+    if mesh is not None:
+        model = eqx.filter_shard(model, shard.shardings(model, mesh))
+        opt = eqx.filter_shard(opt, shard.shardings(opt, mesh))
     return model, opt, dict(loss=ce + z, ce_loss=ce, z_loss=z, grad_norm=grad_norm, skipped=skipped)
 
 
 @eqx.filter_jit
-def eval_step(model, batch):
+def eval_step(model, batch, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
-    ce, _ = jax.vmap(lambda t: sequence_losses(model, t, 0))(batch)
+    gather = None if mesh is None else lambda tree: shard.gather(tree, mesh)
+    ce, _ = jax.vmap(lambda t: sequence_losses(model, t, 0, gather))(batch)
     return ce.sum()
 
 
@@ -413,7 +419,7 @@ def main(cfg: TrainConfig) -> int:
     opt_sh = shard.shardings(eqx.filter_eval_shape(init_opt, abstract, cfg), mesh)
     init = eqx.filter_jit(lambda key: eqx.filter_shard(olmo3.Olmo3(mcfg, key=key), model_sh))
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
-    step_fn = lambda m, o, b, lr: train_step(m, o, b, lr, cfg=cfg, n_micro=n_micro, out_shardings=(model_sh, opt_sh))
+    step_fn = lambda m, o, b, lr: train_step(m, o, b, lr, cfg=cfg, n_micro=n_micro, mesh=mesh)
     n_params = olmo3.count_params(abstract)
     flops = flops_per_token(mcfg, cfg.seq_len)
     peak = peak_flops(jax.devices()[0])
@@ -440,7 +446,8 @@ def main(cfg: TrainConfig) -> int:
     expected_meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(mcfg), data=loader.fingerprint)
     abstract_opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 eqx.filter_eval_shape(init_opt, abstract, cfg), opt_sh)
-    train_like = {"opt": abstract_opt, "key": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+    key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
+    train_like = {"opt": abstract_opt, "key": key_like}
     restored = checkpoints.restore_latest(with_shardings(abstract, model_sh), train_like,
                                           check=lambda meta: check_resume(meta, expected_meta, cfg))
     if restored:
@@ -468,8 +475,8 @@ def main(cfg: TrainConfig) -> int:
 
     def evaluate(step):
         n = min(cfg.eval_batches, eval_loader.num_batches)
-        total = sum(eval_step(model, shard.put_batch(eval_loader.local_batch(i, rank, world), mesh, cfg.global_batch))
-                    for i in range(n))
+        put = lambda i: shard.put_batch(eval_loader.local_batch(i, rank, world), mesh, cfg.global_batch)
+        total = sum(eval_step(model, put(i), mesh) for i in range(n))
         loss = float(total) / (n * cfg.global_batch * (cfg.seq_len - 1))
         log.write(dict(step=step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50))))
         say(f"step {step}: held-out loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
@@ -507,9 +514,10 @@ def main(cfg: TrainConfig) -> int:
                                      f"{checkpoints.dir / str(max(checkpoints.steps(), default=0))}")
         tps = tokens_per_step / (now - last_time)
         last_time = now
-        if world > 1:
-            batch_hash = int(np.sum(jax.experimental.multihost_utils.process_allgather(np.uint64(batch_hash)),
-                                    dtype=np.uint64))
+        if world > 1:  # the processes' hashes add up; sent as two uint32 words (jax has no uint64 by default)
+            words = jax.experimental.multihost_utils.process_allgather(
+                np.array([batch_hash % 2**32, batch_hash >> 32], np.uint32))
+            batch_hash = sum(int(lo) + (int(hi) << 32) for lo, hi in np.asarray(words).reshape(-1, 2)) % 2**64
         row = dict(step=step, loss=float(metrics["loss"]), ce_loss=float(metrics["ce_loss"]),
                    z_loss=float(metrics["z_loss"]), lr=lr_at(step, cfg), grad_norm=float(metrics["grad_norm"]),
                    skipped=bool(metrics["skipped"]), tokens=step * tokens_per_step, tokens_per_s=tps,
@@ -521,7 +529,9 @@ def main(cfg: TrainConfig) -> int:
 
     def save(step):
         meta = dict(expected_meta, rng_seed=cfg.init_seed)
-        checkpoints.save(step, model, {"opt": opt, "key": jax.random.key_data(key)}, meta)
+        # One global array: Orbax cannot save an array that lives on one process only.
+        key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(mesh))
+        checkpoints.save(step, model, {"opt": opt, "key": key_data}, meta)
 
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -552,8 +562,8 @@ def main(cfg: TrainConfig) -> int:
     log.close()
     if lead:
         plot_losses(run_dir)
-        if cfg.samples:
-            print_samples(model, cfg, tokenizer_path)
+    if cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
+        print_samples(model, cfg, tokenizer_path, say)
     return 0
 
 
@@ -607,10 +617,10 @@ def resolve_data(cfg: TrainConfig):
         found = []
         for part in filter(None, spec.split(",")):
             path = os.path.join(cfg.data_root, part) if cfg.data_root else part
-            matches = sorted(Path().glob(path)) if any(c in path for c in "*?[") else [Path(path)]
+            matches = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
             if not matches:
                 raise FileNotFoundError(f"--data {spec!r}: {path!r} matches no file")
-            found += [str(m) for m in matches]
+            found += matches
         return found
     return files(cfg.data), files(cfg.eval_data) if cfg.eval_data else [], None
 
@@ -651,37 +661,46 @@ def tqdm_bar(lead: bool, start: int, steps: int):
 
 
 def dry_run(cfg, mesh, abstract, model_sh, opt_sh, flops) -> int:
-    """Compile one train step for the mesh from abstract inputs and report what each device holds."""
-    model = with_shardings(abstract, model_sh)
+    """Compile one train step for the mesh from abstract inputs (nothing is allocated, so a 7B model on a
+    pod's worth of devices compiles on a laptop's fake ones) and report what each device holds."""
+    params, static = eqx.partition(with_shardings(abstract, model_sh), shard.is_array)
     opt = with_shardings(eqx.filter_eval_shape(init_opt, abstract, cfg), opt_sh)
     batch = jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh))
+    n_micro = microbatches(cfg, mesh)
+
+    # eqx.filter_jit would take the abstract arrays for static values: lower through jax.jit, donating the
+    # parameters and optimizer state as train_step does.
+    def step(params, opt, batch, lr):
+        model = eqx.combine(params, static)
+        model, opt, metrics = train_step(model, opt, batch, lr, cfg=cfg, n_micro=n_micro, mesh=mesh)
+        return eqx.filter(model, eqx.is_array), opt, metrics
+
     t0 = time.perf_counter()
-    compiled = train_step.lower(model, opt, batch, jax.ShapeDtypeStruct((), jnp.float32), cfg=cfg,
-                                n_micro=microbatches(cfg, mesh), out_shardings=(model_sh, opt_sh)).compile()
+    lr = jax.ShapeDtypeStruct((), jnp.float32)
+    mem = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch, lr).compile().memory_analysis()
     seconds = time.perf_counter() - t0
 
     def per_device(tree):
-        return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x, s in zip(jax.tree.leaves(eqx.filter(tree, shard.is_array)), jax.tree.leaves(tree_shardings(tree))))
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x in jax.tree.leaves(tree))
 
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    gib = 2**30
-    rows = [("parameters (fp32)", per_device(model)), ("optimizer state", per_device(opt)),
-            ("activations + temporaries", mem.temp_size_in_bytes), ("generated code", mem.generated_code_size_in_bytes)]
-    print(f"dry run: {cfg.preset} on mesh {dict(mesh.shape)}, compiled in {seconds:.1f} s; per device:")
-    for name, size in rows:
-        print(f"  {name:<28} {size / gib:10.2f} GiB")
+    rows = cfg.global_batch // n_micro // (mesh.shape["data"] * mesh.shape["fsdp"])
+    print(f"dry run: {cfg.preset} on mesh {dict(mesh.shape)} ({mesh.size} devices), {n_micro} microbatch(es) "
+          f"of {rows} rows x {cfg.seq_len} per device, compiled in {seconds:.0f} s. Per device:")
     total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    print(f"  {'total (args+temps+outputs-aliased)':<28} {total / gib:10.2f} GiB")
-    print(f"  XLA FLOPs per step per device {cost.get('flops', float('nan')):.3e}; "
-          f"model FLOPs per step {flops * cfg.global_batch * cfg.seq_len:.3e} in all")
+    for name, size in [("parameters (fp32)", per_device(params)), ("optimizer state (fp32)", per_device(opt)),
+                       ("batch", per_device(batch)), ("activations + temporaries", mem.temp_size_in_bytes),
+                       ("total", total)]:
+        print(f"  {name:<26} {size / 2**30:9.3f} GiB")
+    if limit := (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
+        print(f"  {'this device has':<26} {limit / 2**30:9.3f} GiB")
+    if model_config(cfg).attention == "reference":
+        print("  (the reference attention materialises seq x seq scores; the splash and cuDNN kernels of "
+              "TPUs and GPUs need far less)")
+    # The model's count: XLA's cost analysis counts the body of the layer scan once.
+    step_flops = flops * cfg.global_batch * cfg.seq_len
+    print(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
     return 0
-
-
-def tree_shardings(tree):
-    return [x.sharding for x in jax.tree.leaves(eqx.filter(tree, shard.is_array))]
 
 
 def plot_losses(run_dir: Path) -> None:
@@ -706,15 +725,15 @@ def plot_losses(run_dir: Path) -> None:
     plt.close(fig)
 
 
-def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
+def print_samples(model, cfg: TrainConfig, tokenizer_path, say=print) -> None:
     tok = data.get_tokenizer(cfg.tokenizer, tokenizer_path)
     length = min(model.cfg.max_seq_len, cfg.seq_len)
-    print("samples:")
+    say("samples:")
     for i in range(cfg.samples):
         prompt = jnp.asarray([tok.eos_id], jnp.int32)  # a fresh document starts after an EOS
         out = olmo3.sample(model, prompt, length - 1, key=jax.random.key(i), temperature=0.8, top_k=50)
         text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size]).split(tok.decode([tok.eos_id]))[0]
-        print(f"--- sample {i + 1} ---\n{text.strip()[:600]}")
+        say(f"--- sample {i + 1} ---\n{text.strip()[:600]}")
 
 
 if __name__ == "__main__":

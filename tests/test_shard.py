@@ -1,0 +1,396 @@
+"""shard.py: the mesh, the logical-axis rules, the multi-host start, and the proof that sharding never
+changes the numbers: every layout is checked against the single-device run, because XLA can silently
+compute wrong results for some FSDP + tensor-parallel specs on the 8-device CPU mesh
+(shared/docs/ecosystem.md section 2).
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float
+
+import data
+import olmo3
+import shard
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the mesh
+
+
+def test_parse_mesh_fills_the_rest_and_names_the_flag_in_errors():
+    assert shard.parse_mesh("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert shard.parse_mesh("tensor=2, fsdp=-1", 8) == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert shard.parse_mesh("", 8) == {"data": 1, "fsdp": 1, "tensor": 1}
+    with pytest.raises(ValueError, match=r"--mesh 'data=3,fsdp=-1': 8 devices do not divide by the other"):
+        shard.parse_mesh("data=3,fsdp=-1", 8)
+    with pytest.raises(ValueError, match=r"--mesh 'data=-1,fsdp=-1': at most one axis may be -1"):
+        shard.parse_mesh("data=-1,fsdp=-1", 8)
+    with pytest.raises(ValueError, match=r"--mesh 'fsdp=4,tensor=4' needs 16 devices but there are 8"):
+        shard.parse_mesh("fsdp=4,tensor=4", 8)
+    for bad in ["model=2", "data=0", "data=two", "data=2,data=4", "fsdp=-2"]:
+        with pytest.raises(ValueError, match=f"--mesh '{bad}': expected entries like data=2,fsdp=-1"):
+            shard.parse_mesh(bad, 8)
+
+
+def test_make_mesh_spans_all_devices_or_the_first_few():
+    mesh = shard.make_mesh("data=2,fsdp=-1,tensor=2")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
+    assert list(shard.make_mesh("data=1").devices.flat) == jax.devices()[:1]  # the tiny preset's default
+
+
+class FakeDevice:
+    """Just what the mesh utilities read from a device."""
+
+    def __init__(self, id, slice_index=None, platform="cpu"):
+        self.id, self.platform, self.device_kind = id, platform, "fake"
+        if slice_index is not None:
+            self.slice_index = slice_index
+
+    def __repr__(self):
+        return f"d{self.id}"
+
+
+def test_device_grid_puts_the_slow_network_on_the_outer_axis():
+    where = lambda grid, f: np.vectorize(f)(grid)
+    # Two TPU slices of 4 chips: the slice boundary goes on data, else fsdp; never on tensor.
+    slices = [FakeDevice(i, slice_index=i // 4) for i in range(8)]
+    grid = shard.device_grid({"data": 2, "fsdp": 4, "tensor": 1}, slices)
+    assert grid.shape == (2, 4, 1)
+    assert (where(grid, lambda d: d.slice_index) == [[[0]] * 4, [[1]] * 4]).all()
+    grid = shard.device_grid({"data": 1, "fsdp": 4, "tensor": 2}, slices)
+    assert (where(grid, lambda d: d.slice_index)[0] == [[0, 0], [0, 0], [1, 1], [1, 1]]).all()
+    with pytest.raises(ValueError, match="the 2 slices must divide the data or the fsdp axis"):
+        shard.device_grid({"data": 1, "fsdp": 1, "tensor": 8}, slices)
+    # Two GPU hosts of 4 (one process per GPU, as srun starts them): by id, so tensor stays within a host.
+    gpus = [FakeDevice(i, platform="gpu") for i in reversed(range(8))]
+    grid = shard.device_grid({"data": 1, "fsdp": 2, "tensor": 4}, gpus)
+    assert (where(grid, lambda d: d.id // 4) == [[[0] * 4, [1] * 4]]).all()
+
+
+# ---- the rules
+
+
+@pytest.mark.parametrize("preset", list(olmo3.PRESETS))
+def test_rules_cover_every_parameter_and_the_optimizer_state(preset):
+    """Abstract shapes only (eval_shape): the 32B model costs nothing here."""
+    model = eqx.filter_eval_shape(olmo3.Olmo3, olmo3.PRESETS[preset], key=jax.random.key(0))
+    opt = eqx.filter_eval_shape(train.init_opt, model, train.PRESETS["7b"])
+    # The 8 test devices, and a pod-sized mesh that needs no devices to check.
+    for mesh in [shard.make_mesh("data=2,fsdp=2,tensor=2"), AbstractMesh((2, 64, 4), shard.MESH_AXES)]:
+        for tree in (model, opt):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # nothing over 1 MB left replicated
+                assert shard.check_rules(tree, mesh) == []
+    axes = shard.logical_axes(model)
+    assert axes.embed_tokens == ("vocab", "embed")
+    assert axes.layers.self_attn.q_proj == ("layers", "embed", "heads", "head_dim")
+    assert axes.layers.mlp.down_proj == ("layers", "mlp", "embed")
+    assert shard.logical_axes(opt).mu.layers.post_attention_layernorm == ("layers", "embed")
+
+
+def test_specs_on_a_pod_mesh():
+    model = eqx.filter_eval_shape(olmo3.Olmo3, olmo3.PRESETS["7b"], key=jax.random.key(0))
+    specs = jax.tree.map(lambda s: s.spec, shard.shardings(model, AbstractMesh((1, 32, 8), shard.MESH_AXES)))
+    assert specs.embed_tokens == P("tensor", "fsdp")
+    assert specs.layers.self_attn.q_proj == P(None, "fsdp", "tensor", None)
+    assert specs.layers.self_attn.o_proj == P(None, "tensor", None, "fsdp")
+    assert specs.layers.mlp.gate_proj == P(None, "fsdp", "tensor")  # column-parallel in ...
+    assert specs.layers.mlp.down_proj == P(None, "tensor", "fsdp")  # ... row-parallel out
+    assert specs.lm_head == P("fsdp", "tensor")
+    # A dimension the axis does not divide stays whole: 32 heads over 64-way tensor parallelism.
+    q = shard.spec(("embed", "heads", "head_dim"), (4096, 32, 128), AbstractMesh((1, 4, 64), shard.MESH_AXES))
+    assert q == P("fsdp", None, None)
+
+
+class Odd(eqx.Module):
+    w: Float[Array, "embed mlp"]
+    v: Float[Array, "embed widgets"]
+
+
+def test_check_rules_names_what_is_wrong(monkeypatch):
+    mesh = shard.make_mesh("fsdp=4,tensor=2")
+    odd = Odd(jax.ShapeDtypeStruct((8,), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    with pytest.raises(ValueError, match=r"\.w: 2 logical axes \('embed', 'mlp'\) for a rank-1 array") as e:
+        shard.check_rules(odd, mesh)
+    assert "['widgets'] have no rule in shard.RULES" in str(e.value)
+    model = eqx.filter_eval_shape(olmo3.Olmo3, olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    monkeypatch.setitem(shard.RULES, "heads", ("fsdp",))  # q_proj would split fsdp twice
+    with pytest.raises(ValueError, match=r"layers\.self_attn\.q_proj: mesh axes \['fsdp'\] appear twice"):
+        shard.check_rules(model, mesh)
+
+
+def test_check_rules_warns_of_big_replicated_parameters():
+    model = eqx.filter_eval_shape(olmo3.Olmo3, olmo3.PRESETS["7b"], key=jax.random.key(0))
+    with pytest.warns(UserWarning, match=r"over 1 MB left fully replicated on mesh .*'data': 8.*embed"):
+        replicated = shard.check_rules(model, shard.make_mesh("data=8"))  # pure data parallelism
+    assert ".lm_head" in replicated and ".norm" not in replicated  # the final norm is 16 KB
+
+
+def test_the_rules_mlp_layout_is_exact_in_the_pattern_xla_miscompiles():
+    """x -> ((2x) @ up) @ down, the documented miscompile, with the layout RULES gives the MLP. (The
+    miscompiled one, dim 0 over fsdp and dim 1 over tensor for both matrices, cannot be written as rules.)"""
+    mesh = shard.make_mesh("data=2,fsdp=2,tensor=2")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 16, 64), np.float32)
+    up, down = (rng.standard_normal(s, np.float32) * 0.1 for s in [(64, 128), (128, 64)])
+    put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, shard.spec(axes, a.shape, mesh)))
+    args = put(x, ("batch", "seq", None)), put(up, ("embed", "mlp")), put(down, ("mlp", "embed"))
+    assert args[1].sharding.spec == P("fsdp", "tensor") and args[2].sharding.spec == P("tensor", "fsdp")
+    got = jax.jit(lambda x, u, d: ((2 * x) @ u) @ d)(*args)
+    np.testing.assert_allclose(got, ((2 * x) @ up) @ down, rtol=1e-5, atol=1e-5)
+
+
+# ---- sharding never changes the numbers
+
+# The tiny preset (fp32), with seq_len 128: past its sliding window of 64, so both kinds of layer run.
+TINY = dataclasses.replace(train.PRESETS["tiny"], seq_len=128)
+STEPS = 3
+
+
+@functools.cache
+def abstract_state(cfg):
+    mcfg = train.model_config(cfg)
+    abstract = eqx.filter_eval_shape(olmo3.Olmo3, mcfg, key=jax.random.key(0))
+    return mcfg, abstract, eqx.filter_eval_shape(train.init_opt, abstract, cfg)
+
+
+def setup(cfg, spec):
+    """What train.main builds for a mesh: its shardings and the born-sharded init."""
+    mesh = shard.make_mesh(spec)
+    mcfg, abstract, abstract_opt = abstract_state(cfg)
+    model_sh, opt_sh = shard.shardings(abstract, mesh), shard.shardings(abstract_opt, mesh)
+    init = eqx.filter_jit(lambda key: eqx.filter_shard(olmo3.Olmo3(mcfg, key=key), model_sh))
+    return mesh, model_sh, opt_sh, init
+
+
+def arrays(tree) -> dict[str, np.ndarray]:
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return {jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves}
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_data):
+    """(run, the single-device run, the initial parameters): run(spec) takes STEPS tiny-preset train steps
+    on real Shakespeare batches, as train.main does, from the same initial parameters."""
+    cfg = TINY
+    loader = data.TokenLoader(data.prepare_tiny(str(tiny_data))["train"], cfg.seq_len, cfg.global_batch,
+                              seed=cfg.seed, dtype=np.uint16)
+    batches = [loader.global_batch(i) for i in range(STEPS)]
+    mcfg = train.model_config(cfg)
+    model0 = eqx.filter_jit(lambda key: olmo3.Olmo3(mcfg, key=key))(jax.random.key(cfg.init_seed))
+    init = arrays(model0)
+
+    def run(spec):
+        # A fresh copy of the initial parameters (train_step donates its inputs).
+        model = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model0)
+        opt = train.init_opt(eqx.filter(model, eqx.is_array), cfg)
+        if spec == "single":  # one device, no mesh
+            mesh, put = None, lambda rows: jnp.asarray(rows, jnp.int32)
+        else:
+            mesh, model_sh, opt_sh, _ = setup(cfg, spec)
+            model, opt = eqx.filter_shard(model, model_sh), eqx.filter_shard(opt, opt_sh)
+            put = lambda rows: shard.put_batch(rows, mesh, cfg.global_batch)
+        kw = dict(cfg=cfg, n_micro=train.microbatches(cfg, mesh or shard.make_mesh("data=1")), mesh=mesh)
+        with warnings.catch_warnings():  # the int batch is donated in vain, as train.main knows
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            compiled = train.train_step.lower(model, opt, put(batches[0]), jnp.float32(0), **kw).compile()
+        metrics = []
+        for k, rows in enumerate(batches, start=1):  # these calls reuse the compiled step
+            model, opt, m = train.train_step(model, opt, put(rows), jnp.float32(train.lr_at(k, cfg)), **kw)
+            metrics.append({name: float(v) for name, v in m.items()})
+        return dict(metrics=metrics, params=arrays(model), opt=arrays(opt), devices=mesh.size if mesh else 1,
+                    flops=compiled.compiled.cost_analysis()["flops"])
+
+    return run, run("single"), init
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2",
+                                  "fsdp=2,tensor=4"])
+def test_sharded_train_steps_equal_the_single_device_run(tiny_runs, spec):
+    run, single, _ = tiny_runs
+    got = run(spec)
+    for k, (a, b) in enumerate(zip(got["metrics"], single["metrics"]), start=1):
+        for name in ("loss", "grad_norm"):
+            assert abs(a[name] - b[name]) <= 1e-5 * abs(b[name]), (k, name, a[name], b[name])
+    # The gradients, through Adam's moments: elementwise, to 1e-5 of each array's largest entry.
+    for name, b in single["opt"].items():
+        diff = np.abs(got["opt"][name] - b).max()
+        assert diff <= 1e-5 * np.abs(b).max(), (name, diff / np.abs(b).max())
+    # The parameters, as tensors: ||a - b|| <= 1e-5 ||b||. (Elementwise, Adam's first steps are nearly
+    # sign(g), which magnifies rounding wherever |g| is near eps: such entries differ by a few percent of
+    # one update, as they do when the single-device batch is regrouped into 2 microbatches.)
+    for name, b in single["params"].items():
+        diff = np.linalg.norm(got["params"][name] - b)
+        assert diff <= 1e-5 * np.linalg.norm(b), (name, diff / np.linalg.norm(b))
+    # Each device computes its own share and no more: XLA's FLOPs per device x devices ~ the single run's.
+    # Without shard.gather's explicit all-gathers XLA gathers the batch instead of the weights in parts of
+    # the step, and every device computes those parts for the whole batch (1.35x on the fsdp=8 mesh).
+    ratio = got["flops"] * got["devices"] / single["flops"]
+    assert ratio <= 1.1, ratio
+
+
+def test_parameters_are_born_sharded_and_equal_the_single_device_init(tiny_runs):
+    _, _, single_init = tiny_runs
+    whole = sum(x.nbytes for x in single_init.values())
+    for spec in ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2"]:
+        _, model_sh, _, init = setup(TINY, spec)
+        key = jax.random.key(TINY.init_seed)
+        # The jitted init writes each device's shards, and its temporaries (the random bits) are those of
+        # the device's own shards: no device, and no host, ever holds the whole model.
+        mem = init.lower(key).compile().compiled.memory_analysis()
+        shards = sum(math.prod(s.shard_shape(x.shape)) * x.itemsize
+                     for s, x in zip(jax.tree.leaves(model_sh), single_init.values()))
+        assert shards < whole / 3  # (the norm weights are replicated)
+        assert mem.output_size_in_bytes == pytest.approx(shards, rel=1e-3)  # (+ a table of the buffers)
+        assert mem.temp_size_in_bytes < 1.5 * shards, (mem.temp_size_in_bytes, shards)
+        model = eqx.filter(init(key), eqx.is_array)
+        for (name, x), leaf, s in zip(single_init.items(), jax.tree.leaves(model), jax.tree.leaves(model_sh)):
+            assert leaf.sharding.is_equivalent_to(s, leaf.ndim), (name, leaf.sharding, s)
+            # The RNG is partitionable: the shards hold what the single-device init draws, bit for bit.
+            assert np.array_equal(np.asarray(leaf), x), name
+
+
+# ---- the multi-host start
+
+
+def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: calls.append(args))
+    monkeypatch.setattr(jax._src.cloud_tpu_init, "running_in_cloud_tpu_vm", False)
+    for var in ["SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
+                "JOB_COMPLETION_INDEX", "JAX_COORDINATOR_ADDRESS"]:
+        monkeypatch.delenv(var, raising=False)
+    cfg = train.PRESETS["7b"]
+    shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)  # a laptop: nothing to start
+    assert calls == [] and shard.cluster() is None
+    shard.initialize("10.0.0.1:1234", 2, 1)  # the flags, on every host
+    assert calls == [("10.0.0.1:1234", 2, 1)]
+    with pytest.raises(ValueError, match=r"got --coordinator '10.0.0.1:1234' --num_processes 2 --process_id"):
+        shard.initialize("10.0.0.1:1234", 2)
+    with pytest.raises(ValueError, match=r"--process_id 2"):
+        shard.initialize("10.0.0.1:1234", 2, 2)
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-2]")  # srun with one task: one process
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert shard.cluster() is None
+    for env, name in [({"SLURM_NTASKS": "16"}, "SLURM"),
+                      ({"OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5678"}, "Open MPI"),
+                      ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}, "Kubernetes")]:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert shard.cluster() == name
+    monkeypatch.setattr(jax._src.cloud_tpu_init, "running_in_cloud_tpu_vm", True)
+    assert shard.cluster() == "Cloud TPU VM"
+    calls.clear()
+    shard.initialize()  # JAX finds the coordinator, the process count and this process's id itself
+    assert calls == [()]
+
+
+# ---- several processes, as on a pod: JAX's own multi-host runtime, over localhost
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(run_dir, steps, tiny_data, *, processes, extra=()):
+    """`train.py --preset tiny` as `processes` processes that share 8 CPU devices."""
+    args = [sys.executable, "train.py", "--preset", "tiny", "--seq_len", "128", "--steps", str(steps),
+            "--mesh", "fsdp=-1", "--run_dir", str(run_dir), "--ckpt_every", "2", "--samples", "0",
+            "--data", str(tiny_data / "train" / "part-00000.npy"), *extra]
+    devices = f"--xla_force_host_platform_device_count={8 // processes}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices)
+    if processes > 1:
+        args += ["--coordinator", f"localhost:{free_port()}", "--num_processes", str(processes),
+                 "--process_id"]
+    return [subprocess.Popen(args + ([str(i)] if processes > 1 else []), cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(processes)]
+
+
+def finish(procs) -> list[str]:
+    """Each process's output, once all have exited 0."""
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+def metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_processes_log_what_one_process_logs_and_resume_together(tmp_path, tiny_data):
+    """2 processes x 4 CPU devices through jax.distributed, against 1 process x 8 devices, same mesh."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    pair = launch(two, 2, tiny_data, processes=2)  # saves step 2 and stops ...
+    single = launch(one, 3, tiny_data, processes=1)
+    first, _ = finish(pair), finish(single)
+    again = finish(launch(two, 3, tiny_data, processes=2, extra=["--allow_config_change"]))  # ... and resumes
+    for lead, other in (first, again):  # only process 0 prints
+        assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} over 8 devices in 2 processes" in lead
+        assert "config:" not in other and "resuming" not in other
+    assert "resuming from" in again[0] and "(step 2)" in again[0]
+    # Every process writes its shards of every checkpoint; process 0 alone the metrics.
+    for step in (2, 3):
+        written = (two / "checkpoints" / str(step) / "model").glob("ocdbt.process_*")
+        assert sorted(p.name for p in written) == ["ocdbt.process_0", "ocdbt.process_1"]
+    got, want = metrics(two), metrics(one)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for a, b in zip(got, want):
+        # The global batch holds the processes' rows one process after the other: the same rows in
+        # another order, so the sums round differently, and the batch hashes (sums over rows) agree.
+        assert a["batch_hash"] == b["batch_hash"]
+        for name in ("loss", "grad_norm"):
+            assert abs(a[name] - b[name]) <= 1e-5 * b[name], (a, b)
+
+
+# ---- the dry run
+
+
+def test_dry_run_prints_the_memory_table_per_device(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    args = ["--preset", "tiny", "--dry_run", "--mesh", "fsdp=-1", "--run_dir", str(tmp_path)]
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = out.stdout[out.stdout.index("dry run:"):]
+    assert "{'data': 1, 'fsdp': 8, 'tensor': 1} (8 devices), 1 microbatch(es) of 1 rows x 256 per" in table
+    rows = {line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines()
+            if line.endswith("GiB")}
+    assert list(rows) == ["parameters (fp32)", "optimizer state (fp32)", "batch", "activations + temporaries",
+                          "total"]
+    n_params = 7_606_528  # the tiny preset; each device holds an eighth (and the norm weights whole)
+    assert rows["parameters (fp32)"] == pytest.approx(n_params * 4 / 8 / 2**30, abs=1e-3)
+    assert rows["optimizer state (fp32)"] == pytest.approx(2 * rows["parameters (fp32)"], abs=2e-3)
+    assert rows["activations + temporaries"] > 0
+    assert rows["total"] >= sum(rows.values()) - rows["total"] - 1e-3
+    flops = train.flops_per_token(train.model_config(train.PRESETS["tiny"]), 256) * 8 * 256
+    assert f"FLOPs per step: {flops:.3e}, {flops / 8:.3e} per device" in table
+    assert not (tmp_path / "checkpoints").exists()  # it only compiles
