@@ -163,7 +163,7 @@ def config_from_hf(hf: dict, path: str = "config.json", **overrides) -> Olmo3Con
         n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
         mlp_hidden=hf["intermediate_size"], layer_types=tuple(types), sliding_window=hf.get("sliding_window") or 4096,
         rope_sliding=_rope_from_hf(rp[SLIDING], SLIDING, path), rope_full=_rope_from_hf(rp[FULL], FULL, path),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=hf.get("max_position_embeddings", 8192),
+        norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=max(hf.get("max_position_embeddings") or 0, 0) or 8192,
         eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"), **overrides)
 
 

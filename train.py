@@ -458,11 +458,9 @@ def main(cfg: TrainConfig) -> int:
     else:
         start, key = 0, jax.random.key(cfg.init_seed)
         if cfg.init_from_hf:
+            check_hf_model(cfg.init_from_hf, mcfg, cfg.preset)
             model = ckpt.load_hf(cfg.init_from_hf, shardings=model_sh, compute_dtype=mcfg.compute_dtype,
                                  attention=mcfg.attention, remat=mcfg.remat, scan_unroll=mcfg.scan_unroll)
-            if ckpt.config_to_hf(model.cfg) != ckpt.config_to_hf(mcfg):
-                raise ValueError(f"--init_from_hf {cfg.init_from_hf}: its config.json describes another shape "
-                                 f"than --preset {cfg.preset}")
             say(f"starting from the weights in {cfg.init_from_hf}")
         else:
             model = init(jax.random.key(cfg.init_seed))
@@ -602,6 +600,16 @@ def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
     if changes and not cfg.allow_config_change:
         raise ValueError(f"--run_dir {cfg.run_dir} was trained with another recipe: " + "; ".join(changes)
                          + ". Pass --allow_config_change to resume anyway (e.g. to extend --steps), or use a new --run_dir")
+
+
+def check_hf_model(hf_dir: str, mcfg: olmo3.Olmo3Config, preset: str) -> None:
+    """Released weights must be the preset's model (token ids and max length may differ), before loading."""
+    hf = ckpt.config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), f"{hf_dir}/config.json")
+    fields = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+              "layer_types", "sliding_window", "rope_sliding", "rope_full", "norm_eps")
+    if diff := {f: (getattr(hf, f), getattr(mcfg, f)) for f in fields if getattr(hf, f) != getattr(mcfg, f)}:
+        raise ValueError(f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
+                         + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items()))
 
 
 def resolve_data(cfg: TrainConfig):

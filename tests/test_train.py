@@ -236,3 +236,33 @@ def test_train_step_traces_once(tiny_data, tmp_path, monkeypatch):
                               eval_every=100, ckpt_every=100, samples=0)
     assert train.main(cfg) == 0
     assert len(traces) == 1
+
+
+@pytest.mark.slow
+def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
+    from transformers import Olmo3ForCausalLM
+
+    import ckpt
+    import data
+
+    ckpt.save_hf(olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(42)), tmp_path / "hf")
+    out = run_train("--preset", "tiny", "--steps", "1", "--run_dir", str(tmp_path / "run"), "--data_root",
+                    str(tiny_data), "--init_from_hf", str(tmp_path / "hf"), "--samples", "0", "--eval_every", "100")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "starting from the weights in" in out.stdout
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    # transformers' loss of those weights on batch 0 of the data order is the first step's CE.
+    prepared = data.prepare_tiny(str(tiny_data))
+    cfg = train.PRESETS["tiny"]
+    batch = data.TokenLoader(prepared["train"], cfg.seq_len, cfg.global_batch, dtype=np.uint16).global_batch(0)
+    hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.as_tensor(batch.astype(np.int64))
+    with torch.no_grad():
+        expected = hf(input_ids=ids, labels=ids).loss.item()
+    assert first["ce_loss"] == pytest.approx(expected, rel=1e-5)
+
+    other = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=8, layer_types=olmo3.PRESETS["tiny"].layer_types * 2)
+    ckpt.save_hf(olmo3.Olmo3(other, key=jax.random.key(0)), tmp_path / "hf8")
+    out = run_train("--preset", "tiny", "--steps", "1", "--run_dir", str(tmp_path / "run8"), "--data_root",
+                    str(tiny_data), "--init_from_hf", str(tmp_path / "hf8"))
+    assert out.returncode != 0 and "n_layers 8 (checkpoint) vs 4 (preset)" in out.stderr

@@ -1,0 +1,55 @@
+"""bench/reference.py, run small: from OLMo-core's initial weights and on the batches of its own loader, our
+trainer follows OLMo-core's trainer step by step; and a difference on our side is caught at its first step."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# The benchmark's code path at a size two busy CPU cores run in about 1.5 minutes: 6 steps of 2 x 64 tokens,
+# sliding window 16, warmup 2 then cosine, the skip rule live from step 2; held-out at 64 and 256 tokens.
+SMALL = {"steps": 6, "batch": 2, "seq_len": 64, "window": 16, "warmup": 2, "skip_window": 4, "eval_tokens": 512,
+         "eval_len": 256}
+
+
+def run_reference(out: Path, ours: list[str] = (), **sizes):
+    flags = [f"--{k}={v}" for k, v in {**SMALL, **sizes}.items()] + [f"--ours={o}" for o in ours]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as the benchmark runs
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "reference.py"), f"--out={out}", *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert (out / "reference.json").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc, json.loads((out / "reference.json").read_text())
+
+
+@pytest.mark.slow
+def test_training_follows_olmo_core_step_by_step(tmp_path):
+    proc, result = run_reference(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    steps = result["steps"]
+    assert [r["step"] for r in steps] == list(range(1, SMALL["steps"] + 1))
+    assert all(r["hash_equal"] and r["lr_equal"] and r["skipped_equal"] and not r["failed"] for r in steps)
+    assert max(r["loss_rel"] for r in steps) <= 1e-5 and max(r["grad_norm_rel"] for r in steps) <= 1e-4
+    # It compared something real: six different batches, an LR that warmed up and decayed, a falling loss.
+    assert len({r["ours"]["hash"] for r in steps}) == SMALL["steps"]
+    lrs = [r["ours"]["lr"] for r in steps]
+    assert lrs[0] < lrs[1] and lrs[-1] < lrs[1]
+    assert steps[-1]["ours"]["loss"] < steps[0]["ours"]["loss"] - 0.1
+    assert [e["length"] for e in result["held_out"]] == [SMALL["seq_len"], SMALL["eval_len"]]
+    for e in result["held_out"]:
+        assert e["fp32_top1"] >= 0.999 and e["fp32_token_loss_diff"] <= 1e-3
+        assert e["bf16_token_loss_diff"] > e["fp32_token_loss_diff"]  # bf16 compute really ran
+    assert not result["failures"] and (tmp_path / "reference_loss.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_difference_on_our_side_fails_at_the_first_step(tmp_path):
+    # Twice the z-loss moves our loss by ~1e-4 relative: the same batch and LR, but the loss is out at step 1.
+    proc, result = run_reference(tmp_path, ours=["z_loss=2e-5"], steps=1, eval_tokens=0)
+    assert proc.returncode == 1
+    [first] = result["steps"]
+    assert first["hash_equal"] and first["lr_equal"] and "loss" in first["failed"]
+    assert result["failures"][0].startswith("step 1: loss") and "FAILED: step 1: loss" in proc.stdout
