@@ -1,0 +1,223 @@
+"""Our train step against transformers' Olmo3ForCausalLM, side by side in one run, on the same shapes.
+
+    python bench/speed.py --preset tiny        # 2-core CPU: the tiny preset's shape and batch, fp32
+    python bench/speed.py --gpu                # one GPU: 8 layers at 7B width, then the full 7B, plus levers
+    python bench/speed.py --gpu --only levers  # just the lever table
+
+Prints one row per system (tokens/s, MFU, peak memory, compile time) and lines beginning `ratio`.
+MFU = tokens/s x train.flops_per_token (exact causal/sliding attention count) / the chip's peak.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import olmo3  # noqa: E402
+import train  # noqa: E402
+
+ROWS = []
+
+
+def report(name, tokens, step_s, compile_s, mcfg, seq, peak_mem, loss, note=""):
+    peak = train.peak_flops(jax.devices()[0])
+    tps = tokens / step_s
+    mfu = tps * train.flops_per_token(mcfg, seq) / peak if peak else None
+    row = dict(system=name, tokens_per_s=round(tps), step_s=round(step_s, 4), compile_s=round(compile_s, 1),
+               mfu=round(mfu, 4) if mfu else None, peak_mem_gib=round(peak_mem / 2**30, 1) if peak_mem else None,
+               loss=round(float(loss), 4), note=note)
+    ROWS.append(row)
+    mfu_s = f"{100 * mfu:5.1f}%" if mfu else "    -"
+    mem_s = f"{row['peak_mem_gib']:6.1f}" if peak_mem else "     -"
+    print(f"{name:<44} {tps:>10,.0f} {step_s:>8.3f} {mfu_s:>7} {mem_s:>8} {compile_s:>8.1f}  {note}", flush=True)
+    return tps
+
+
+def header():
+    print(f"{'system':<44} {'tokens/s':>10} {'step s':>8} {'MFU':>7} {'mem GiB':>8} {'compile':>8}")
+
+
+def device_peak_memory():
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return stats["peak_bytes_in_use"]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: the process's peak RSS
+
+
+def time_ours(name, mcfg, tcfg, batch, n_micro=1, steps=5):
+    model = eqx.filter_jit(olmo3.Olmo3)(mcfg, key=jax.random.key(0))
+    opt = eqx.filter_jit(train.init_opt)(model, tcfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, tcfg.seq_len)), jnp.int32)
+    lr = jnp.float32(1e-4)
+    t0 = time.perf_counter()
+    model, opt, m = train.train_step(model, opt, tokens, lr, cfg=tcfg, n_micro=n_micro)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model, opt, m = train.train_step(model, opt, tokens, lr, cfg=tcfg, n_micro=n_micro)
+        losses.append(float(m["loss"]))
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    del model, opt
+    return report(name, batch * tcfg.seq_len, step_s, compile_s - step_s, mcfg, tcfg.seq_len,
+                  device_peak_memory(), losses[-1]), losses
+
+
+def time_hf(name, mcfg, seq, batch, compiled=False, bf16=False, checkpointing=False, steps=5):
+    import torch
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = Olmo3Config(vocab_size=mcfg.padded_vocab, hidden_size=mcfg.d_model, intermediate_size=mcfg.mlp_hidden,
+                      num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
+                      num_key_value_heads=mcfg.n_kv_heads, layer_types=list(mcfg.layer_types),
+                      sliding_window=mcfg.sliding_window, max_position_embeddings=seq, rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = Olmo3ForCausalLM._from_config(cfg, attn_implementation="sdpa").to(dev)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq)), device=dev)
+    forward = torch.compile(model) if compiled else model
+
+    def step():
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=bf16):
+            loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return loss
+
+    t0 = time.perf_counter()
+    step()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    mem = torch.cuda.max_memory_allocated() if dev == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tps = report(name, batch * seq, step_s, compile_s - step_s, mcfg, seq, mem, loss.item())
+    del model, opt
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return tps
+
+
+def cpu_comparison(args):
+    """The tiny preset's shape and batch (d 256, 4 layers, vocab 8192, 8 x 256 tokens), fp32 on both sides."""
+    tcfg = train.PRESETS["tiny"]
+    mcfg = train.model_config(tcfg)
+    print(f"CPU comparison: tiny preset, batch {tcfg.global_batch} x {tcfg.seq_len}, fp32, {os.cpu_count()} cores")
+    header()
+    ours, _ = time_ours("olmo3-jax train_step (tiny preset)", mcfg, tcfg, tcfg.global_batch, steps=args.steps)
+    hf = time_hf("transformers Olmo3 eager (sdpa), fp32", mcfg, tcfg.seq_len, tcfg.global_batch, steps=args.steps)
+    print(f"ratio ours/transformers-eager = {ours / hf:.2f}")
+    if args.compile:
+        hfc = time_hf("transformers Olmo3 + torch.compile, fp32", mcfg, tcfg.seq_len, tcfg.global_batch,
+                      compiled=True, steps=args.steps)
+        print(f"ratio ours/transformers-compiled = {ours / hfc:.2f}")
+
+
+def gpu_comparison(args):
+    seq = 8192
+    base = train.PRESETS["7b"]
+    if args.only in ("all", "8layers"):
+        m8 = dataclasses.replace(olmo3.PRESETS["7b"], n_layers=8, layer_types=olmo3.PRESETS["7b"].layer_types[:8])
+        t8 = dataclasses.replace(base, global_batch=1, remat="none")
+        print(f"\n8 layers at 7B width, seq {seq}, batch 1, bf16 compute, fp32 weights + Adam")
+        header()
+        ours, _ = time_ours("olmo3-jax (cudnn window, no remat)", with_recipe(m8, t8), t8, 1)
+        eager = time_hf("transformers eager (sdpa, autocast bf16)", m8, seq, 1, bf16=True)
+        comp = time_hf("transformers + torch.compile", m8, seq, 1, bf16=True, compiled=True)
+        print(f"ratio ours/transformers-eager = {ours / eager:.2f}")
+        print(f"ratio ours/transformers-compiled = {ours / comp:.2f}")
+    if args.only in ("all", "7b"):
+        t7 = dataclasses.replace(base, global_batch=args.accumulate, microbatch=1)
+        m7 = with_recipe(olmo3.PRESETS["7b"], t7)
+        print(f"\nthe full 7B on one chip: microbatch 1 x {seq}, {args.accumulate} accumulated, remat {t7.remat}")
+        header()
+        ours, _ = time_ours(f"olmo3-jax 7b preset (remat {t7.remat})", m7, t7, args.accumulate, n_micro=args.accumulate,
+                            steps=3)
+        hf = time_hf("transformers, gradient checkpointing", olmo3.PRESETS["7b"], seq, 1, bf16=True, checkpointing=True,
+                     steps=3)
+        print(f"ratio ours/transformers-checkpointing = {ours / hf:.2f}")
+    if args.only in ("all", "levers"):
+        levers(args)
+
+
+def with_recipe(mcfg, tcfg):
+    return dataclasses.replace(mcfg, compute_dtype=tcfg.compute_dtype, attention=train.attention_kernel(tcfg),
+                               remat=tcfg.remat, scan_unroll=tcfg.scan_unroll)
+
+
+def levers(args):
+    """Each lever on the 8-layer shape, one at a time against the default."""
+    m8 = dataclasses.replace(olmo3.PRESETS["7b"], n_layers=8, layer_types=olmo3.PRESETS["7b"].layer_types[:8])
+    base = dataclasses.replace(train.PRESETS["7b"], global_batch=1, remat="none")
+    variants = [("default: cudnn, remat none", base, m8),
+                ("remat save_matmuls", dataclasses.replace(base, remat="save_matmuls"), m8),
+                ("remat save_attention", dataclasses.replace(base, remat="save_attention"), m8),
+                ("remat full", dataclasses.replace(base, remat="full"), m8),
+                ("loss_chunk 1024", dataclasses.replace(base, loss_chunk=1024), m8),
+                ("scan_unroll 2", dataclasses.replace(base, scan_unroll=2), m8),
+                ("attention reference (XLA)", dataclasses.replace(base, attention="reference"), m8),
+                ("heads 16x256 (cudnn)", dataclasses.replace(base, head_layout="16x256"), None),
+                ("heads 16x256 (XLA)", dataclasses.replace(base, head_layout="16x256", attention="reference"), None)]
+    print("\nlevers, 8 layers at 7B width, seq 8192, batch 1")
+    header()
+    for name, tcfg, mcfg in variants:
+        mcfg = mcfg or dataclasses.replace(train.model_config(tcfg), n_layers=8, layer_types=m8.layer_types)
+        try:
+            time_ours(name, with_recipe(mcfg, tcfg), tcfg, 1)
+        except Exception as e:  # a lever that does not compile on this chip is a result, not a crash
+            print(f"{name:<44} failed: {type(e).__name__}: {str(e)[:200]}")
+            ROWS.append(dict(system=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+
+
+def determinism(args):
+    """Two fresh runs of the same steps: are the losses bitwise equal?"""
+    tcfg = train.PRESETS["tiny"] if not args.gpu else dataclasses.replace(train.PRESETS["7b"], global_batch=1, remat="none")
+    mcfg = train.model_config(tcfg)
+    if args.gpu:
+        mcfg = dataclasses.replace(mcfg, n_layers=4, layer_types=mcfg.layer_types[:4])
+    runs = [time_ours(f"determinism run {i + 1}", mcfg, tcfg, tcfg.global_batch, steps=4)[1] for i in range(2)]
+    print(f"determinism: losses {'bitwise equal' if runs[0] == runs[1] else 'DIFFER'}: {runs[0]} vs {runs[1]}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", help="tiny: the CPU comparison")
+    parser.add_argument("--gpu", action="store_true", help="the H200 shapes")
+    parser.add_argument("--only", default="all", choices=["all", "8layers", "7b", "levers"])
+    parser.add_argument("--accumulate", type=int, default=8, help="microbatches per step for the full 7B")
+    parser.add_argument("--compile", action="store_true", help="also torch.compile on CPU (slow to compile)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {time.strftime('%Y-%m-%d')}")
+    if args.gpu:
+        gpu_comparison(args)
+    else:
+        cpu_comparison(args)
+    determinism(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(ROWS, indent=1))
