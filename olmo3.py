@@ -12,11 +12,10 @@ transformer whose departures from Llama are:
   untied LM head after a final RMSNorm, vocab 100278 padded to 100352 (a multiple of 128)
 - init: normal(0, 0.02) truncated at +-3 sigma, not renormalised; norm weights 1
 
-The model maps one sequence; batches come from `jax.vmap`. Array shapes are jaxtyping annotations whose
-dimension names are the logical axes shard.py maps onto the mesh: seq, embed, heads, kv_heads, head_dim,
-mlp, vocab, and layers for the stacked blocks.
-Einsum letters: s/t query/key position, d embed, n heads, k kv_heads, g query heads per kv head,
-h head_dim, f mlp, v vocab.
+The model maps a batch of sequences, or one (`*batch` may be empty). Array shapes are jaxtyping
+annotations whose dimension names are the logical axes shard.py maps onto the mesh: batch, seq, embed,
+heads, kv_heads, head_dim, mlp, vocab, and layers for the stacked blocks.
+Einsum letters (attention): s/t query/key position, k kv_heads, g query heads per kv head, h head_dim.
 """
 
 import math
@@ -160,6 +159,16 @@ def rms_norm(x: Float[Array, "*rest"], weight: Float[Array, "*normed"], eps: flo
     return (w * y).astype(x.dtype)
 
 
+def linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1,
+           out_dtype=None) -> Float[Array, "..."]:
+    """x's trailing n_in axes contracted with w's leading n_in, as one 2-D matmul. Flattening batch and
+    sequence into one axis keeps the weight gradient a plain matmul: given a 3-D activation, XLA's CPU
+    backend transposes the gradient into a copy and falls back to a slow dot (bench/RESULTS.md)."""
+    k = math.prod(w.shape[:n_in])
+    y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
+    return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
+
+
 def rope_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies (fp32) and the factor that scales cos and sin, as transformers computes them."""
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
@@ -190,12 +199,13 @@ def rope_cos_sin(rope: Rope, head_dim: int, seq_len: int) -> tuple[Float[Array, 
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def apply_rope(x: Float[Array, "seq heads head_dim"], cos: Float[Array, "seq head_dim"],
-               sin: Float[Array, "seq head_dim"]) -> Float[Array, "seq heads head_dim"]:
+def apply_rope(x: Float[Array, "*batch seq heads head_dim"], cos: Float[Array, "seq head_dim"],
+               sin: Float[Array, "seq head_dim"]) -> Float[Array, "*batch seq heads head_dim"]:
     x32 = x.astype(jnp.float32)  # rotate in fp32, cast back after
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+    per_head = (1,) * (x.ndim - 3) + (cos.shape[0], 1, cos.shape[1])  # the same angle for every head
+    return (x32 * cos.reshape(per_head) + rotated * sin.reshape(per_head)).astype(x.dtype)
 
 
 def causal_mask(seq_len: int, window: int | None) -> Bool[Array, "seq seq"]:
@@ -205,11 +215,11 @@ def causal_mask(seq_len: int, window: int | None) -> Bool[Array, "seq seq"]:
     return (t <= s) & (s - t < window) if window else t <= s
 
 
-def attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq kv_heads head_dim"],
-              v: Float[Array, "seq kv_heads head_dim"], window: int | None,
-              impl: str = "reference") -> Float[Array, "seq heads head_dim"]:
+def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*batch seq kv_heads head_dim"],
+              v: Float[Array, "*batch seq kv_heads head_dim"], window: int | None,
+              impl: str = "reference") -> Float[Array, "*batch seq heads head_dim"]:
     """Causal (optionally sliding-window) softmax attention with grouped kv heads."""
-    seq, n_heads, head_dim = q.shape
+    *batch, seq, n_heads, head_dim = q.shape
     if impl == "cudnn":
         if q.dtype not in (jnp.bfloat16, jnp.float16):
             raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
@@ -217,13 +227,17 @@ def attention(q: Float[Array, "seq heads head_dim"], k: Float[Array, "seq kv_hea
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
                                             local_window_size=(window - 1, 0) if window else None)
     if impl == "splash":
-        return _splash_attention(q, k, v, window)
-    n_kv = k.shape[1]
-    qg = q.reshape(seq, n_kv, n_heads // n_kv, head_dim)
-    scores = jnp.einsum("skgh,tkh->kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-    scores = jnp.where(causal_mask(seq, window)[None, None], scores, jnp.finfo(jnp.float32).min)
+        splash = lambda q, k, v: _splash_attention(q, k, v, window)
+        for _ in batch:
+            splash = jax.vmap(splash)
+        return splash(q, k, v)
+    n_kv = k.shape[-2]
+    qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
+    scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+    mask = causal_mask(seq, window).reshape((1,) * (scores.ndim - 2) + (seq, seq))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
-    return jnp.einsum("kgst,tkh->skgh", probs, v).reshape(seq, n_heads, head_dim)
+    return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
 
 
 def _splash_attention(q, k, v, window):
@@ -267,14 +281,15 @@ class Attention(eqx.Module):
         self.q_norm = jnp.ones((n, h))
         self.k_norm = jnp.ones((nk, h))
 
-    def __call__(self, x: Float[Array, "seq embed"], cos: Float[Array, "seq head_dim"],
-                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config) -> Float[Array, "seq embed"]:
-        q = rms_norm(jnp.einsum("sd,dnh->snh", x, self.q_proj), self.q_norm, cfg.norm_eps)
-        k = rms_norm(jnp.einsum("sd,dkh->skh", x, self.k_proj), self.k_norm, cfg.norm_eps)
-        v = jnp.einsum("sd,dkh->skh", x, self.v_proj)
+    def __call__(self, x: Float[Array, "*batch seq embed"], cos: Float[Array, "seq head_dim"],
+                 sin: Float[Array, "seq head_dim"], window: int | None,
+                 cfg: Olmo3Config) -> Float[Array, "*batch seq embed"]:
+        q = rms_norm(linear(x, self.q_proj), self.q_norm, cfg.norm_eps)
+        k = rms_norm(linear(x, self.k_proj), self.k_norm, cfg.norm_eps)
+        v = linear(x, self.v_proj)
         out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window, cfg.attention)
         out = checkpoint_name(out, "attention_out")
-        return jnp.einsum("snh,nhd->sd", out, self.o_proj)
+        return linear(out, self.o_proj, n_in=2)
 
 
 class MLP(eqx.Module):
@@ -288,8 +303,8 @@ class MLP(eqx.Module):
         self.up_proj = trunc_normal(ku, (cfg.d_model, cfg.mlp_hidden), cfg.init_std)
         self.down_proj = trunc_normal(kd, (cfg.mlp_hidden, cfg.d_model), cfg.init_std)
 
-    def __call__(self, x: Float[Array, "seq embed"]) -> Float[Array, "seq embed"]:
-        return (jax.nn.silu(x @ self.gate_proj) * (x @ self.up_proj)) @ self.down_proj
+    def __call__(self, x: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq embed"]:
+        return linear(jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class Block(eqx.Module):
@@ -305,8 +320,9 @@ class Block(eqx.Module):
         self.post_attention_layernorm = jnp.ones(cfg.d_model)
         self.post_feedforward_layernorm = jnp.ones(cfg.d_model)
 
-    def __call__(self, x: Float[Array, "seq embed"], cos: Float[Array, "seq head_dim"],
-                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config) -> Float[Array, "seq embed"]:
+    def __call__(self, x: Float[Array, "*batch seq embed"], cos: Float[Array, "seq head_dim"],
+                 sin: Float[Array, "seq head_dim"], window: int | None,
+                 cfg: Olmo3Config) -> Float[Array, "*batch seq embed"]:
         # Reordered norm: normalise each sublayer's output, then add it to the residual stream.
         h = x + rms_norm(self.self_attn(x, cos, sin, window, cfg), self.post_attention_layernorm, cfg.norm_eps)
         return h + rms_norm(self.mlp(h), self.post_feedforward_layernorm, cfg.norm_eps)
@@ -327,13 +343,12 @@ class Olmo3(eqx.Module):
         self.lm_head = trunc_normal(kh, (cfg.d_model, cfg.padded_vocab), cfg.init_std)
         self.cfg = cfg
 
-    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+    def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq vocab"]:
         """Next-token logits in fp32 over the padded vocab (rows past cfg.vocab_size are padding)."""
         return self.logits(self.features(tokens))
 
-    def logits(self, x: Float[Array, "seq embed"], gather=None) -> Float[Array, "seq vocab"]:
-        head = self.as_used(gather).lm_head
-        return jnp.einsum("sd,dv->sv", x, head, preferred_element_type=jnp.float32)
+    def logits(self, x: Float[Array, "*batch seq embed"], gather=None) -> Float[Array, "*batch seq vocab"]:
+        return linear(x, self.as_used(gather).lm_head, out_dtype=jnp.float32)
 
     def as_used(self, gather=None) -> "Olmo3":
         """The weights as the layers use them. The dtype policy, in one place: fp32 master weights, cast
@@ -344,7 +359,7 @@ class Olmo3(eqx.Module):
         model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
         return gather(model) if gather else model
 
-    def features(self, tokens: Int[Array, " seq"], gather=None) -> Float[Array, "seq embed"]:
+    def features(self, tokens: Int[Array, "*batch seq"], gather=None) -> Float[Array, "*batch seq embed"]:
         """The final-normed hidden states that the LM head reads."""
         cfg = self.cfg
         model = self.as_used(gather)
@@ -353,7 +368,7 @@ class Olmo3(eqx.Module):
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
         # compiled program holds one group whatever the depth, and each layer's window is static.
         types = cfg.layer_types[: cfg.period]
-        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, tokens.shape[0]) for t in set(types)}
+        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, tokens.shape[-1]) for t in set(types)}
         groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), model.layers)
 
         def group(x, blocks):

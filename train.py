@@ -230,35 +230,36 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 # plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions (OLMo-core).
 
 
-def cross_entropy(logits: Float[Array, "n vocab"], targets: Int[Array, " n"]):
+def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     """Per-position CE and logsumexp, in fp32."""
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0], lse
+    return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def targeted_sums(ce, lse):
-    """Sums of CE and logsumexp^2 over one instance's positions but the last, which has no next token."""
-    targeted = jnp.arange(ce.shape[0]) < ce.shape[0] - 1
+def targeted_sums(ce: Float[Array, "*batch seq"], lse: Float[Array, "*batch seq"]):
+    """Sums of CE and logsumexp^2 over each instance's positions but the last, which has no next token."""
+    targeted = jnp.arange(ce.shape[-1]) < ce.shape[-1] - 1
     return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
 
 
-def sequence_losses(model: olmo3.Olmo3, tokens: Int[Array, " seq"], chunk: int, gather=None):
+def batch_losses(model: olmo3.Olmo3, tokens: Int[Array, "batch seq"], chunk: int, gather=None):
+    """Summed CE and logsumexp^2 over the batch's targeted positions."""
     x = model.features(tokens, gather)
-    targets = jnp.roll(tokens, -1)
-    if not chunk or chunk >= tokens.shape[0]:
+    targets = jnp.roll(tokens, -1, axis=-1)
+    if not chunk or chunk >= tokens.shape[-1]:
         return targeted_sums(*cross_entropy(model.logits(x, gather), targets))
     # Chunk the LM head and recompute each chunk's logits in the backward pass, so the fp32 logits of the
     # whole sequence (8192 x 100352 x 4 bytes = 3.3 GB per instance) never exist at once.
     per_chunk = eqx.filter_checkpoint(lambda m, x, t: cross_entropy(m.logits(x, gather), t))
     xs, ts = x.reshape(-1, chunk, x.shape[-1]), targets.reshape(-1, chunk)
     ce, lse = jax.lax.map(lambda xt: per_chunk(model, *xt), (xs, ts))
-    return targeted_sums(ce.reshape(-1), lse.reshape(-1))
+    return targeted_sums(ce.reshape(tokens.shape), lse.reshape(tokens.shape))
 
 
 def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, gather=None):
-    ce, zz = jax.vmap(lambda t: sequence_losses(model, t, cfg.loss_chunk, gather))(tokens)
-    ce, z = ce.sum() / n_targets, cfg.z_loss * zz.sum() / n_targets
+    ce, zz = batch_losses(model, tokens, cfg.loss_chunk, gather)
+    ce, z = ce / n_targets, cfg.z_loss * zz / n_targets
     return ce + z, (ce, z)
 
 
@@ -299,8 +300,7 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
 def eval_step(model, batch, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
     gather = None if mesh is None else lambda tree: shard.gather(tree, mesh)
-    ce, _ = jax.vmap(lambda t: sequence_losses(model, t, 0, gather))(batch)
-    return ce.sum()
+    return batch_losses(model, batch, 0, gather)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ def test_logits_match_transformers_fp32(tmp_path, name):
     hf = make_hf(tmp_path, **kw)
     model = ckpt.load_hf(tmp_path)
     ids = tokens(vocab=kw.get("vocab", 300))
-    ours = np.asarray(jax.vmap(model)(jnp.asarray(ids)))
+    ours = np.asarray(model(jnp.asarray(ids)))  # the batch at once, as training runs it
+    np.testing.assert_allclose(np.asarray(jax.vmap(model)(jnp.asarray(ids))), ours, rtol=1e-5, atol=1e-5)
     theirs = hf_logits(hf, ids)
     vocab = model.cfg.vocab_size
     assert ours.shape == (2, SEQ, model.cfg.padded_vocab) and model.cfg.padded_vocab % 128 == 0
@@ -160,7 +161,8 @@ def test_scan_equals_unrolled_loop(tmp_path):
         block = jax.tree.map(lambda w: w[i], model.layers)
         x = block(x, *olmo3.rope_cos_sin(cfg.rope(t), cfg.head_dim, SEQ), cfg.window(t), cfg)
     looped = model.logits(olmo3.rms_norm(x, model.norm, cfg.norm_eps))
-    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(looped), rtol=1e-6, atol=1e-6)
+    # fp32 rounding only (XLA fuses the scan body and the loop differently); a wrong layer is ~1e-2 off
+    np.testing.assert_allclose(np.asarray(model(ids)), np.asarray(looped), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("remat", ["full", "save_matmuls", "save_attention"])
@@ -174,9 +176,12 @@ def test_remat_policies_leave_gradients_unchanged(remat):
 
 
 def test_wrong_input_shape_is_a_type_error():
-    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    cfg = olmo3.PRESETS["tiny"]
+    model = olmo3.Olmo3(cfg, key=jax.random.key(0))
+    block = jax.tree.map(lambda w: w[0], model.layers)
+    cos, sin = olmo3.rope_cos_sin(cfg.rope(olmo3.SLIDING), cfg.head_dim, 16)
     with pytest.raises(Exception, match="(?i)type-check|jaxtyping|shape|dimension"):
-        model(jnp.zeros((2, 8), jnp.int32))  # a batch: the model takes one sequence
+        block(jnp.zeros((2, 8, cfg.d_model)), cos, sin, None, cfg)  # 8 positions, RoPE angles for 16
     with pytest.raises(Exception, match="(?i)type-check|jaxtyping|dtype"):
         model(jnp.zeros(8, jnp.float32))
 
