@@ -12,6 +12,7 @@ The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py
 shared/docs/olmo3-spec.md section 3.
 """
 
+import collections
 import dataclasses
 import difflib
 import glob
@@ -97,9 +98,9 @@ class TrainConfig:
 # The official stage-1 recipe is the default above; the smaller presets scale it down.
 PRESETS = {
     "tiny": TrainConfig(
-        preset="tiny", data="tiny", tokenizer="tiny", seq_len=256, global_batch=8, lr=2e-3, warmup_steps=50,
-        lr_horizon=700, steps=700, compute_dtype="float32", remat="none", mesh="data=1", run_dir="runs/tiny",
-        ckpt_every=200, eval_every=100, eval_batches=24, samples=3),
+        preset="tiny", data="tiny", tokenizer="tiny", seq_len=256, global_batch=8, lr=2e-3, warmup_steps=20,
+        lr_horizon=240, steps=240, compute_dtype="float32", remat="none", mesh="data=1", run_dir="runs/tiny",
+        ckpt_every=120, eval_every=60, eval_batches=8, samples=3),
     "190m": TrainConfig(preset="190m", lr=4e-4, warmup_steps=2000, lr_horizon=40_000, steps=40_000,
                         global_batch=256, seq_len=4096, run_dir="runs/190m"),
     "1b": TrainConfig(preset="1b", lr=4e-4, lr_horizon=100_000, steps=100_000, global_batch=512,
@@ -499,19 +500,23 @@ def main(cfg: TrainConfig) -> int:
     batches = iter(prefetch)
     tokens_per_step = cfg.global_batch * cfg.seq_len
     progress = tqdm_bar(lead, start, cfg.steps)
-    pending, last_time = None, time.perf_counter()
+    # tokens/s over the last 20 steps, measured where each step's numbers arrive. Evals and saves pause
+    # training, so the window restarts after them; until it has two points, the previous rate stands.
+    pending, stamps, rate = None, collections.deque(maxlen=21), None
+    loop_start = time.perf_counter()
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
 
     def record(step, metrics, wait, batch_hash):
-        nonlocal last_time
+        nonlocal rate
         metrics = jax.device_get(metrics)
-        now = time.perf_counter()
+        stamps.append(time.perf_counter())
         if not all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm")):
             raise FloatingPointError(f"step {step}: loss {float(metrics['loss'])}, grad norm "
                                      f"{float(metrics['grad_norm'])}; stopping. The last good checkpoint is "
                                      f"{checkpoints.dir / str(max(checkpoints.steps(), default=0))}")
-        tps = tokens_per_step / (now - last_time)
-        last_time = now
+        if len(stamps) > 1:
+            rate = tokens_per_step * (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        tps = rate or tokens_per_step / (stamps[-1] - loop_start)  # the first step: compilation included
         if world > 1:  # the processes' hashes add up; sent as two uint32 words (jax has no uint64 by default)
             words = jax.experimental.multihost_utils.process_allgather(
                 np.array([batch_hash % 2**32, batch_hash >> 32], np.uint32))
@@ -544,12 +549,14 @@ def main(cfg: TrainConfig) -> int:
                 record(*pending)  # never checkpoint a state whose loss was not checked
                 pending = None
                 save(step)
+                stamps.clear()
             if preempted:
                 checkpoints.close()
                 say(f"saved step {step}; exiting for the preemption")
                 return 0
             if eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
                 evaluate(step)
+                stamps.clear()
     except BaseException:
         checkpoints.close()  # let an in-flight save of a good step commit; its own error would chain to this one
         raise
