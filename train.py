@@ -76,6 +76,7 @@ class TrainConfig:
     microbatch: int = 0  # instances per device per forward/backward; 0 = the device's whole share
     loss_chunk: int = 0  # positions per LM-head chunk; 0 = all at once (fp32 logits for the whole sequence)
     scan_unroll: int = 1
+    deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
     mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,tensor=1; one axis may be -1 ("the rest")
     # run
     run_dir: str = "runs/7b"
@@ -382,6 +383,11 @@ def model_config(cfg: TrainConfig) -> olmo3.Olmo3Config:
 
 
 def main(cfg: TrainConfig) -> int:
+    # XLA reads its flags when the first backend starts, so they are set before anything touches a device.
+    # By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a varying order, and
+    # two runs of the same step drift apart (bench/RESULTS.md); CPU and TPU steps are repeatable as they are.
+    if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
     lead = jax.process_index() == 0  # only process 0 prints, logs and plots; all take part in checkpoints
     say = print if lead else (lambda *a, **k: None)

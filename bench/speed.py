@@ -9,6 +9,7 @@ MFU = tokens/s x train.flops_per_token (exact causal/sliding attention count) / 
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,6 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# As train.py does by default (its `deterministic` field); --nondeterministic measures what that costs.
+if "--nondeterministic" not in sys.argv:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -28,6 +33,7 @@ import olmo3  # noqa: E402
 import train  # noqa: E402
 
 ROWS = []
+PROFILE_DIR = None  # --profile
 
 
 def report(name, tokens, step_s, compile_s, mcfg, seq, peak_mem, loss, note=""):
@@ -109,11 +115,13 @@ def measure(systems, mcfg, seq, steps):
         step()
         runs.append((name, tokens, step, time.perf_counter() - t0, []))
     losses = {name: [] for name, *_ in runs}
-    for _ in range(steps):
-        for name, _, step, _, times in runs:
-            t0 = time.perf_counter()
-            losses[name].append(step())
-            times.append(time.perf_counter() - t0)
+    trace = jax.profiler.trace(PROFILE_DIR) if PROFILE_DIR else contextlib.nullcontext()
+    with trace:  # where the time goes: open the trace in XProf, TensorBoard or Perfetto
+        for _ in range(steps):
+            for name, _, step, _, times in runs:
+                t0 = time.perf_counter()
+                losses[name].append(step())
+                times.append(time.perf_counter() - t0)
     tps = {}
     for name, tokens, _, first_s, times in runs:
         step_s = float(np.median(times))
@@ -247,7 +255,11 @@ if __name__ == "__main__":
     parser.add_argument("--compile", action="store_true", help="also torch.compile on CPU (slow to compile)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--nondeterministic", action="store_true",
+                        help="leave out --xla_gpu_deterministic_ops (GPU: the cost of determinism)")
+    parser.add_argument("--profile", default=None, help="write a profiler trace of the timed steps here")
     args = parser.parse_args()
+    PROFILE_DIR = args.profile
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {time.strftime('%Y-%m-%d')}")
     if args.gpu:
         gpu_comparison(args)

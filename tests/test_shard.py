@@ -232,10 +232,13 @@ def test_sharded_train_steps_equal_the_single_device_run(tiny_runs, spec):
     for k, (a, b) in enumerate(zip(got["metrics"], single["metrics"]), start=1):
         for name in ("loss", "grad_norm"):
             assert abs(a[name] - b[name]) <= 1e-5 * abs(b[name]), (k, name, a[name], b[name])
-    # The gradients, through Adam's moments: elementwise, to 1e-5 of each array's largest entry.
+    # The gradients, through Adam's moments, as tensors: ||a - b|| <= 1e-5 ||b||; and no entry off by more
+    # than 1e-4 of the array's largest (fp32 sums split over devices land ~2e-6 norm-wise, with single
+    # entries up to ~1.3e-5 on any mesh, pure data parallelism included; a miscompiled layout is ~1e-2 off).
     for name, b in single["opt"].items():
-        diff = np.abs(got["opt"][name] - b).max()
-        assert diff <= 1e-5 * np.abs(b).max(), (name, diff / np.abs(b).max())
+        a = got["opt"][name]
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), (name, np.linalg.norm(a - b) / np.linalg.norm(b))
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), (name, np.abs(a - b).max() / np.abs(b).max())
     # The parameters, as tensors: ||a - b|| <= 1e-5 ||b||. (Elementwise, Adam's first steps are nearly
     # sign(g), which magnifies rounding wherever |g| is near eps: such entries differ by a few percent of
     # one update, as they do when the single-device batch is regrouped into 2 microbatches.)
