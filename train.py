@@ -251,6 +251,8 @@ def batch_losses(model: olmo3.Olmo3, tokens: Int[Array, "batch seq"], chunk: int
     targets = jnp.roll(tokens, -1, axis=-1)
     if not chunk or chunk >= tokens.shape[-1]:
         return targeted_sums(*cross_entropy(model.logits(x, gather), targets))
+    if tokens.shape[-1] % chunk:
+        raise ValueError(f"--loss_chunk {chunk} must divide --seq_len {tokens.shape[-1]}")
     # Chunk the LM head and recompute each chunk's logits in the backward pass, so the fp32 logits of the
     # whole sequence (8192 x 100352 x 4 bytes = 3.3 GB per instance) never exist at once.
     per_chunk = eqx.filter_checkpoint(lambda m, x, t: cross_entropy(m.logits(x, gather), t))

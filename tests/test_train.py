@@ -81,6 +81,8 @@ def test_chunked_lm_head_loss_equals_whole():
     chunked = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, dataclasses.replace(cfg, loss_chunk=8))
     np.testing.assert_allclose(chunked[0][0], whole[0][0], rtol=1e-6)
     np.testing.assert_allclose(chunked[1].lm_head, whole[1].lm_head, rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="--loss_chunk 12 must divide --seq_len 32"):
+        train.loss_fn(model, tokens, 62, dataclasses.replace(cfg, loss_chunk=12))
 
 
 def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
