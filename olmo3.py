@@ -80,7 +80,7 @@ class Olmo3Config:
     pad_token_id: int | None = 100_277
     # How to compute; none of this changes the weights:
     compute_dtype: str = "float32"  # "bfloat16" to train on accelerators; parameters stay fp32
-    attention: str = "reference"  # "reference" (XLA, materialised mask) | "cudnn" (GPU) | "splash" (TPU)
+    attention: str = "reference"  # "reference" (XLA, materialised mask) | "local" | "cudnn" (GPU) | "splash" (TPU)
     remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES
     scan_unroll: int = 1
 
@@ -99,8 +99,8 @@ class Olmo3Config:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
-        if self.attention not in ("reference", "cudnn", "splash"):
-            raise ValueError(f"attention must be 'reference', 'cudnn' or 'splash', got {self.attention!r}")
+        if self.attention not in ("reference", "local", "cudnn", "splash"):
+            raise ValueError(f"attention must be 'reference', 'local', 'cudnn' or 'splash', got {self.attention!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
 
@@ -226,6 +226,8 @@ def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*ba
                              "use compute_dtype='bfloat16' or attention='reference'")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
                                             local_window_size=(window - 1, 0) if window else None)
+    if impl == "local" and window and seq > window and seq % window == 0:
+        return _local_attention(q, k, v, window)
     if impl == "splash":
         splash = lambda q, k, v: _splash_attention(q, k, v, window)
         for _ in batch:
@@ -238,6 +240,28 @@ def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*ba
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
     return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
+
+
+def _local_attention(q, k, v, window):
+    # Sliding-window attention in blocks of `window` queries, each against its own block of keys and the
+    # one before: exactly the keys the window can reach, so the same softmax as the reference without the
+    # (seq x seq) scores, of which all but ~2 * window per query are masked to an exact zero anyway.
+    *batch, seq, n_heads, head_dim = q.shape
+    n_kv, n_blocks = k.shape[-2], seq // window
+    qb = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
+    earlier = lambda x: jnp.concatenate([jnp.zeros_like(x[..., :1, :, :, :]), x[..., :-1, :, :, :]], axis=-4)
+    kb, vb = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
+    k2, v2 = (jnp.concatenate([earlier(x), x], axis=-3) for x in (kb, vb))  # ... block, 2 * window keys
+    scores = jnp.einsum("...iskgh,...itkh->...ikgst", qb, k2, preferred_element_type=jnp.float32) * head_dim**-0.5
+    s = jnp.arange(window)[None, :, None] + window  # query and key positions in (previous block, this block)
+    t = jnp.arange(2 * window)[None, None, :]
+    first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
+    mask = (t <= s) & (s - t < window) & ~(first & (t < window))
+    mask = mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+    out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v2)
+    return out.reshape(*batch, seq, n_heads, head_dim)
 
 
 def _splash_attention(q, k, v, window):

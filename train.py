@@ -351,9 +351,11 @@ def peak_flops(device) -> float | None:
 
 
 def attention_kernel(cfg: TrainConfig) -> str:
-    """Which attention runs. All three compute the same maths (olmo3.attention): the MXU-friendly fused
-    kernels are cuDNN flash attention on GPU and Splash (Pallas) on TPU, both honouring the sliding window
-    (a kernel that cannot refuses with an error, never drops the window). CPUs run the exact reference."""
+    """Which attention runs. All compute the same maths (olmo3.attention): the MXU-friendly fused kernels
+    are cuDNN flash attention on GPU and Splash (Pallas) on TPU, both honouring the sliding window (a kernel
+    that cannot refuses with an error, never drops the window). Elsewhere (CPUs, fp32 on a GPU) "local"
+    computes the sliding layers in window-sized blocks and the full layers as the reference: on the tiny
+    preset that is 7% faster than the reference everywhere (bench/RESULTS.md)."""
     if cfg.attention != "auto":
         return cfg.attention
     backend = jax.default_backend()
@@ -361,7 +363,7 @@ def attention_kernel(cfg: TrainConfig) -> str:
         return "cudnn"
     if backend == "tpu":
         return "splash"
-    return "reference"
+    return "local"
 
 
 def model_config(cfg: TrainConfig) -> olmo3.Olmo3Config:

@@ -112,12 +112,23 @@ def brute_force_attention(q, k, v, window):
     return out
 
 
-@pytest.mark.parametrize("window", [None, 1, 5])
-def test_reference_attention_equals_brute_force(window):
+@pytest.mark.parametrize("impl", ["reference", "local"])
+@pytest.mark.parametrize("window", [None, 1, 4, 5])
+def test_attention_equals_brute_force(window, impl):
+    # "local" runs in blocks of `window` queries where the window divides the sequence (4 here: three
+    # blocks, the first without a previous one), and is the reference otherwise.
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((12, n, 8)).astype(np.float32) for n in (4, 2, 2))
-    ours = olmo3.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window)
+    ours = olmo3.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window, impl)
     np.testing.assert_allclose(np.asarray(ours), brute_force_attention(q, k, v, window), rtol=1e-5, atol=1e-6)
+
+
+def test_local_attention_gradients_equal_the_reference():
+    rng = np.random.default_rng(2)
+    q, k, v, g = (jnp.asarray(rng.standard_normal((2, 32, n, 8)), jnp.float32) for n in (4, 2, 2, 4))
+    grads = {impl: jax.vjp(lambda *a: olmo3.attention(*a, 8, impl), q, k, v)[1](g) for impl in ("reference", "local")}
+    for ref, local in zip(grads["reference"], grads["local"]):
+        np.testing.assert_allclose(local, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_splash_kernel_equals_reference():
