@@ -138,6 +138,9 @@ def test_splash_kernel_equals_reference():
     for window in (None, 64):
         np.testing.assert_allclose(olmo3.attention(q, k, v, window, "splash"),
                                    olmo3.attention(q, k, v, window), rtol=2e-5, atol=2e-5)
+    batch = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]  # a batch runs the kernel once per sequence
+    np.testing.assert_allclose(olmo3.attention(*batch, 64, "splash"), olmo3.attention(*batch, 64),
+                               rtol=2e-5, atol=2e-5)
 
 
 def test_cudnn_refuses_fp32():
