@@ -389,7 +389,7 @@ def model_config(cfg: TrainConfig) -> olmo3.Olmo3Config:
 def main(cfg: TrainConfig) -> int:
     # XLA reads its flags when the first backend starts, so they are set before anything touches a device.
     # By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a varying order, and
-    # two runs of the same step drift apart (bench/RESULTS.md); CPU and TPU steps are repeatable as they are.
+    # two runs of the same step drift apart; CPU steps are bitwise repeatable as they are (bench/RESULTS.md).
     if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
