@@ -215,6 +215,11 @@ def causal_mask(seq_len: int, window: int | None) -> Bool[Array, "seq seq"]:
     return (t <= s) & (s - t < window) if window else t <= s
 
 
+def masked_softmax(scores: Float[Array, "*rest keys"], mask: Bool[Array, "*#rest keys"]) -> Float[Array, "*rest keys"]:
+    """Softmax over the keys in fp32; a masked key gets exactly zero weight."""
+    return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
+
+
 def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*batch seq kv_heads head_dim"],
               v: Float[Array, "*batch seq kv_heads head_dim"], window: int | None,
               impl: str = "reference") -> Float[Array, "*batch seq heads head_dim"]:
@@ -237,8 +242,7 @@ def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*ba
     qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
     scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
     mask = causal_mask(seq, window).reshape((1,) * (scores.ndim - 2) + (seq, seq))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+    probs = masked_softmax(scores, mask).astype(v.dtype)
     return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
 
 
@@ -258,8 +262,7 @@ def _local_attention(q, k, v, window):
     first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
     mask = (t <= s) & (s - t < window) & ~(first & (t < window))
     mask = mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window))
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+    probs = masked_softmax(scores, mask).astype(v.dtype)
     out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v2)
     return out.reshape(*batch, seq, n_heads, head_dim)
 
