@@ -15,6 +15,7 @@ shared/docs/olmo3-spec.md section 3.
 import collections
 import dataclasses
 import difflib
+import functools
 import glob
 import json
 import math
@@ -74,7 +75,7 @@ class TrainConfig:
     attention: str = "auto"  # auto | reference | cudnn | splash (see attention_kernel below)
     remat: str = "full"  # none | full | save_matmuls | save_attention
     microbatch: int = 0  # instances per device per forward/backward; 0 = the device's whole share
-    loss_chunk: int = 0  # positions per LM-head chunk; 0 = all at once (fp32 logits for the whole sequence)
+    loss_chunk: int = 0  # positions of each instance per chunk of the fused LM-head loss; 0 = the whole sequence
     scan_unroll: int = 1
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
     mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,tensor=1; one axis may be -1 ("the rest")
@@ -230,6 +231,11 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 # ---------------------------------------------------------------------------------------------------------
 # The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted,
 # plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions (OLMo-core).
+#
+# The LM head and the loss run fused, a chunk of positions at a time: each chunk computes its fp32 logits,
+# its losses and, in the same pass, their gradients with respect to the features and the LM head, so the
+# logits (8192 x 100352 x 4 bytes = 3.3 GB per instance on the 7B) exist one chunk at a time and are read
+# once. Left to autodiff they would be kept whole for the backward pass, or recomputed chunk by chunk.
 
 
 def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
@@ -239,32 +245,71 @@ def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def targeted_sums(ce: Float[Array, "*batch seq"], lse: Float[Array, "*batch seq"]):
-    """Sums of CE and logsumexp^2 over each instance's positions but the last, which has no next token."""
-    targeted = jnp.arange(ce.shape[-1]) < ce.shape[-1] - 1
-    return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
+def lm_head_chunks(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"], targets: Int[Array, "batch seq"],
+                   chunk: int, z_loss: float | None = None, scale: float = 1.0):
+    """Summed CE and logsumexp^2 over the targeted positions (all but each instance's last, which has no next
+    token), `chunk` positions of every instance at a time. Given z_loss, also the gradients of
+    scale * (CE + z_loss * logsumexp^2) with respect to x and w."""
+    batch, seq, d = x.shape
+    chunk = chunk or seq
+    if seq % chunk:
+        raise ValueError(f"--loss_chunk {chunk} must divide --seq_len {seq}")
+    position = jnp.arange(seq).reshape(-1, chunk)  # the chunks scan over the sequence, so the batch stays sharded
+    by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
+
+    def one(dw, inputs):
+        xc, tc, pc = inputs
+        logits = olmo3.linear(xc, w, out_dtype=jnp.float32)
+        ce, lse = cross_entropy(logits, tc)
+        targeted = (pc < seq - 1)[None]
+        sums = jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
+        if z_loss is None:
+            return dw, (sums, None)
+        # The two terms' gradients with respect to the logits, scaled and summed as autodiff (and torch) would:
+        # CE gives softmax - onehot(target), z-loss 2 z lse softmax; untargeted positions give nothing.
+        probs = jnp.exp(logits - lse[..., None])
+        onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
+        g = (probs - onehot) * scale + probs * (2 * z_loss * scale * lse[..., None])
+        g = jnp.where(targeted[..., None], g, 0).astype(xc.dtype)
+        dx = olmo3.linear(g, w.T)
+        dw = dw + jnp.matmul(xc.reshape(-1, d).T, g.reshape(-1, g.shape[-1]), preferred_element_type=jnp.float32)
+        return dw, (sums, dx)
+
+    dw = jnp.zeros(w.shape, jnp.float32)
+    dw, ((ce, zz), dx) = jax.lax.scan(one, dw, (by_chunk(x), by_chunk(targets), position))
+    if z_loss is None:
+        return ce.sum(), zz.sum()
+    return ce.sum(), zz.sum(), jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
 
 
-def batch_losses(model: olmo3.Olmo3, tokens: Int[Array, "batch seq"], chunk: int, gather=None):
-    """Summed CE and logsumexp^2 over the batch's targeted positions."""
-    x = model.features(tokens, gather)
-    targets = jnp.roll(tokens, -1, axis=-1)
-    if not chunk or chunk >= tokens.shape[-1]:
-        return targeted_sums(*cross_entropy(model.logits(x, gather), targets))
-    if tokens.shape[-1] % chunk:
-        raise ValueError(f"--loss_chunk {chunk} must divide --seq_len {tokens.shape[-1]}")
-    # Chunk the LM head and recompute each chunk's logits in the backward pass, so the fp32 logits of the
-    # whole sequence (8192 x 100352 x 4 bytes = 3.3 GB per instance) never exist at once.
-    per_chunk = eqx.filter_checkpoint(lambda m, x, t: cross_entropy(m.logits(x, gather), t))
-    xs, ts = x.reshape(-1, chunk, x.shape[-1]), targets.reshape(-1, chunk)
-    ce, lse = jax.lax.map(lambda xt: per_chunk(model, *xt), (xs, ts))
-    return targeted_sums(ce.reshape(tokens.shape), lse.reshape(tokens.shape))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def lm_head_loss(x, w, targets, chunk: int, z_loss: float, scale: float):
+    """scale * (CE + z_loss * logsumexp^2), summed over the targeted positions, and (CE sum, logsumexp^2 sum).
+    Only the first output carries a gradient; callers stop the gradient of the second (loss_fn does)."""
+    ce, zz = lm_head_chunks(x, w, targets, chunk)
+    return scale * (ce + z_loss * zz), (ce, zz)
+
+
+def _lm_head_loss_fwd(x, w, targets, chunk, z_loss, scale):
+    ce, zz, dx, dw = lm_head_chunks(x, w, targets, chunk, z_loss, scale)
+    return (scale * (ce + z_loss * zz), (ce, zz)), (dx, dw)
+
+
+def _lm_head_loss_bwd(chunk, z_loss, scale, grads, cotangents):
+    dx, dw = grads
+    g = cotangents[0]  # the loss is linear in the sums: its gradients are the forward's times g (1 for a loss)
+    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
+
+
+lm_head_loss.defvjp(_lm_head_loss_fwd, _lm_head_loss_bwd)
 
 
 def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, gather=None):
-    ce, zz = batch_losses(model, tokens, cfg.loss_chunk, gather)
-    ce, z = ce / n_targets, cfg.z_loss * zz / n_targets
-    return ce + z, (ce, z)
+    x = model.features(tokens, gather)
+    loss, stats = lm_head_loss(x, model.as_used(gather).lm_head, jnp.roll(tokens, -1, axis=-1), cfg.loss_chunk,
+                               cfg.z_loss, 1 / n_targets)
+    ce, zz = jax.lax.stop_gradient(stats)
+    return loss, (ce / n_targets, cfg.z_loss * zz / n_targets)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -301,10 +346,11 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
 
 
 @eqx.filter_jit
-def eval_step(model, batch, mesh=None):
+def eval_step(model, batch, chunk: int, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
     gather = None if mesh is None else lambda tree: shard.gather(tree, mesh)
-    return batch_losses(model, batch, 0, gather)[0]
+    x = model.features(batch, gather)
+    return lm_head_chunks(x, model.as_used(gather).lm_head, jnp.roll(batch, -1, axis=-1), chunk)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -485,7 +531,7 @@ def main(cfg: TrainConfig) -> int:
     def evaluate(step):
         n = min(cfg.eval_batches, eval_loader.num_batches)
         put = lambda i: shard.put_batch(eval_loader.local_batch(i, rank, world), mesh, cfg.global_batch)
-        total = sum(eval_step(model, put(i), mesh) for i in range(n))
+        total = sum(eval_step(model, put(i), cfg.loss_chunk, mesh) for i in range(n))
         loss = float(total) / (n * cfg.global_batch * (cfg.seq_len - 1))
         log.write(dict(step=step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50))))
         say(f"step {step}: held-out loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")

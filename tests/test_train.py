@@ -52,37 +52,55 @@ def test_lr_schedule_matches_olmo_core():
     assert train.lr_at(597_046, cfg) == pytest.approx(1.650e-4, rel=1e-3)  # spec: LR where part 1 stops
 
 
-def test_loss_matches_olmo_core_cross_entropy_and_z_loss():
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_fused_lm_head_loss_and_gradients_match_olmo_core(chunk):
+    """Loss, z-loss and their gradients with respect to the features and the LM head, against OLMo-core's
+    cross_entropy_loss differentiated by torch autograd (the fused loss derives its gradients by hand)."""
     from olmo_core.data.utils import get_labels
     from olmo_core.nn.functional import cross_entropy_loss
 
     rng = np.random.default_rng(0)
-    batch, seq, vocab = 3, 17, 128
-    logits = rng.standard_normal((batch, seq, vocab)).astype(np.float32) * 4
+    batch, seq, d, vocab, z_loss = 3, 16, 8, 128, 1e-2  # a large z-loss, so its gradient shows
+    x = rng.standard_normal((batch, seq, d)).astype(np.float32)
+    w = rng.standard_normal((d, vocab)).astype(np.float32)
     tokens = rng.integers(0, vocab, (batch, seq))
     labels = get_labels({"input_ids": torch.as_tensor(tokens)})
     n = int((labels != -100).sum())
-    ce, z = cross_entropy_loss(torch.as_tensor(logits).view(-1, vocab), labels.view(-1), reduction="sum",
-                               compute_z_loss=True, z_loss_multiplier=1e-5)
-    sums = [train.targeted_sums(*train.cross_entropy(jnp.asarray(lg), jnp.roll(jnp.asarray(t), -1)))
-            for lg, t in zip(logits, tokens)]
-    ours_ce = sum(float(s[0]) for s in sums) / n
-    ours_z = 1e-5 * sum(float(s[1]) for s in sums) / n
+    tx, tw = (torch.tensor(a, requires_grad=True) for a in (x, w))
+    ce, z = cross_entropy_loss((tx @ tw).view(-1, vocab), labels.view(-1), reduction="sum", compute_z_loss=True,
+                               z_loss_multiplier=z_loss)
+    ((ce + z) / n).backward()
+
+    def loss(x, w):
+        total, (ce, zz) = train.lm_head_loss(x, w, jnp.roll(jnp.asarray(tokens), -1, axis=-1), chunk, z_loss, 1 / n)
+        return total, (ce / n, z_loss * zz / n)
+
+    (total, (ours_ce, ours_z)), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(jnp.asarray(x),
+                                                                                                  jnp.asarray(w))
     assert n == batch * (seq - 1)
-    assert ours_ce == pytest.approx(float(ce) / n, rel=1e-6)
-    assert ours_z == pytest.approx(float(z) / n, rel=1e-6)
+    assert float(ours_ce) == pytest.approx(float(ce) / n, rel=1e-6)
+    assert float(ours_z) == pytest.approx(float(z) / n, rel=1e-6)
+    np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="--loss_chunk 12 must divide --seq_len 16"):
+        train.lm_head_loss(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tokens), 12, z_loss, 1.0)
 
 
-def test_chunked_lm_head_loss_equals_whole():
+def test_loss_fn_gradients_equal_autodiff_through_the_model():
+    """The fused LM head inside the model's loss: the same loss and gradients as autodiff of plain logits."""
     model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)))
-    cfg = train.PRESETS["tiny"]
-    whole = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, cfg)
-    chunked = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, dataclasses.replace(cfg, loss_chunk=8))
-    np.testing.assert_allclose(chunked[0][0], whole[0][0], rtol=1e-6)
-    np.testing.assert_allclose(chunked[1].lm_head, whole[1].lm_head, rtol=1e-5, atol=1e-9)
-    with pytest.raises(ValueError, match="--loss_chunk 12 must divide --seq_len 32"):
-        train.loss_fn(model, tokens, 62, dataclasses.replace(cfg, loss_chunk=12))
+    cfg = dataclasses.replace(train.PRESETS["tiny"], z_loss=1e-2, loss_chunk=8)
+
+    def plain(model):
+        ce, lse = train.cross_entropy(model(tokens), jnp.roll(tokens, -1, axis=-1))
+        return (ce[:, :-1].sum() + cfg.z_loss * (lse[:, :-1] ** 2).sum()) / 62
+
+    (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, cfg)
+    want, want_grads = eqx.filter_value_and_grad(plain)(model)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    for ours, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-6 * float(jnp.abs(ref).max()))
 
 
 def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
@@ -168,9 +186,12 @@ def test_gradient_accumulation_gives_the_same_update():
     # After one step the first moment is 0.1 x the (clipped) gradient: the accumulated gradient itself.
     for a, b in zip(jax.tree.leaves(o4.mu), jax.tree.leaves(o1.mu)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-9)
-    # Adam's first step is nearly sign(g), which magnifies rounding where |g| is near eps: compare to 0.3% of lr.
-    for a, b in zip(jax.tree.leaves(eqx.filter(m4, eqx.is_array)), jax.tree.leaves(eqx.filter(m1, eqx.is_array))):
-        np.testing.assert_allclose(a, b, rtol=0, atol=3e-6)
+    # Adam's first step is lr * g / (|g| + eps): where |g| is within ~100 eps its size is set by rounding (a
+    # down_proj entry with |g| = 6e-8 moves by 5e-6 between the two), so compare where |g| > 1e-6, to 0.3% of lr.
+    updated = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    for a, b, mu in zip(updated(m4), updated(m1), jax.tree.leaves(o1.mu)):
+        clear = np.abs(np.asarray(mu)) > 1e-7  # mu = 0.1 g
+        np.testing.assert_allclose(np.asarray(a)[clear], np.asarray(b)[clear], rtol=0, atol=3e-6)
 
 
 def test_flops_per_token_counts_sliding_windows_exactly():
