@@ -412,8 +412,9 @@ def attention_kernel(cfg: TrainConfig) -> str:
     return "local"
 
 
-def model_config(cfg: TrainConfig) -> olmo3.Olmo3Config:
-    m = olmo3.PRESETS[cfg.preset]
+def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
+    """The preset's model (or `base`) with this run's head layout, compute dtype, kernel and remat."""
+    m = base or olmo3.PRESETS[cfg.preset]
     if cfg.head_layout:
         # e.g. 16 x 256 instead of 32 x 128: the same width and parameter count, but one softmax over 256
         # dimensions and other RoPE frequencies, so a different model: for training from scratch only; the

@@ -3,6 +3,7 @@
     python bench/speed.py --preset tiny        # 2-core CPU: the tiny preset's shape and batch, fp32
     python bench/speed.py --gpu                # one GPU: 8 layers at 7B width, then the full 7B, plus levers
     python bench/speed.py --gpu --only levers  # just the lever table
+    python bench/speed.py --gpu --small        # the GPU code path at a CPU's size: does it run through?
 
 Prints one row per system (tokens/s, MFU, peak memory, compile time) and lines beginning `ratio`.
 MFU = tokens/s x train.flops_per_token (exact causal/sliding attention count) / the chip's peak.
@@ -176,15 +177,26 @@ def alone(name, tokens, make, mcfg, seq, steps=5):
     return tps[name], losses[name]
 
 
+def gpu_shapes(args):
+    """The 7B's model and recipe, seq 8192; with --small the same code at a CPU's size (d 256, seq 256), which
+    checks that the GPU script runs through, and measures nothing."""
+    m, t = olmo3.PRESETS["7b"], train.PRESETS["7b"]
+    if args.small:
+        m = dataclasses.replace(m, d_model=256, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=512, vocab_size=1024,
+                                sliding_window=64, max_seq_len=256)
+        t = dataclasses.replace(t, seq_len=256)
+    return m, t, dataclasses.replace(m, n_layers=8, layer_types=m.layer_types[:8])
+
+
 def gpu_comparison(args):
-    seq = 8192
-    base = train.PRESETS["7b"]
+    m, base, m8 = gpu_shapes(args)
+    seq = base.seq_len
     if args.only in ("all", "8layers"):
-        m8 = dataclasses.replace(olmo3.PRESETS["7b"], n_layers=8, layer_types=olmo3.PRESETS["7b"].layer_types[:8])
         t8 = dataclasses.replace(base, global_batch=1, remat="none")
         print(f"\n8 layers at 7B width, seq {seq}, batch 1, bf16 compute, fp32 weights + Adam")
         header()
-        ours, _ = alone("olmo3-jax (cudnn window, no remat)", seq, lambda: ours_step(with_recipe(m8, t8), t8, 1), m8, seq)
+        ours, _ = alone("olmo3-jax (cudnn window, no remat)", seq, lambda: ours_step(train.model_config(t8, m8), t8, 1),
+                        m8, seq)
         eager, _ = alone("transformers eager (sdpa, autocast bf16)", seq, lambda: hf_step(m8, seq, 1, bf16=True), m8, seq)
         comp, _ = alone("transformers + torch.compile", seq, lambda: hf_step(m8, seq, 1, bf16=True, compiled=True),
                         m8, seq)
@@ -192,42 +204,37 @@ def gpu_comparison(args):
         print(f"ratio ours/transformers-compiled = {ours / comp:.2f}  (target >= 1.35)")
     if args.only in ("all", "7b"):
         t7 = dataclasses.replace(base, global_batch=args.accumulate, microbatch=1)
-        m7 = with_recipe(olmo3.PRESETS["7b"], t7)
+        m7 = train.model_config(t7, m)
         print(f"\nthe full 7B on one chip: microbatch 1 x {seq}, {args.accumulate} accumulated, remat {t7.remat}")
         header()
         ours, _ = alone(f"olmo3-jax 7b preset (remat {t7.remat})", args.accumulate * seq,
                         lambda: ours_step(m7, t7, args.accumulate, n_micro=args.accumulate), m7, seq, steps=3)
         hf, _ = alone("transformers, gradient checkpointing", seq,
-                      lambda: hf_step(olmo3.PRESETS["7b"], seq, 1, bf16=True, checkpointing=True), m7, seq, steps=3)
+                      lambda: hf_step(m, seq, 1, bf16=True, checkpointing=True), m7, seq, steps=3)
         print(f"ratio ours/transformers-checkpointing = {ours / hf:.2f}  (target >= 1.9, and >= 9,800 tokens/s)")
     if args.only in ("all", "levers"):
         levers(args)
 
 
-def with_recipe(mcfg, tcfg):
-    return dataclasses.replace(mcfg, compute_dtype=tcfg.compute_dtype, attention=train.attention_kernel(tcfg),
-                               remat=tcfg.remat, scan_unroll=tcfg.scan_unroll)
-
-
 def levers(args):
     """Each lever on the 8-layer shape, one at a time against the default."""
-    m8 = dataclasses.replace(olmo3.PRESETS["7b"], n_layers=8, layer_types=olmo3.PRESETS["7b"].layer_types[:8])
-    base = dataclasses.replace(train.PRESETS["7b"], global_batch=1, remat="none")
-    variants = [("default: cudnn, remat none", base, m8),
-                ("remat save_matmuls", dataclasses.replace(base, remat="save_matmuls"), m8),
-                ("remat save_attention", dataclasses.replace(base, remat="save_attention"), m8),
-                ("remat full", dataclasses.replace(base, remat="full"), m8),
-                ("loss_chunk 1024", dataclasses.replace(base, loss_chunk=1024), m8),
-                ("scan_unroll 2", dataclasses.replace(base, scan_unroll=2), m8),
-                ("attention reference (XLA)", dataclasses.replace(base, attention="reference"), m8),
-                ("heads 16x256 (cudnn)", dataclasses.replace(base, head_layout="16x256"), None),
-                ("heads 16x256 (XLA)", dataclasses.replace(base, head_layout="16x256", attention="reference"), None)]
-    print("\nlevers, 8 layers at 7B width, seq 8192, batch 1")
+    _, base, m8 = gpu_shapes(args)
+    base = dataclasses.replace(base, global_batch=1, remat="none")
+    wide = f"{m8.n_heads // 2}x{m8.head_dim * 2}"  # 16x256 on the 7B: half the heads, twice as wide
+    variants = [("default: cudnn, remat none", base),
+                ("remat save_matmuls", dataclasses.replace(base, remat="save_matmuls")),
+                ("remat save_attention", dataclasses.replace(base, remat="save_attention")),
+                ("remat full", dataclasses.replace(base, remat="full")),
+                ("fused loss in chunks of 1024", dataclasses.replace(base, loss_chunk=min(1024, base.seq_len // 2))),
+                ("scan_unroll 2", dataclasses.replace(base, scan_unroll=2)),
+                ("attention reference (XLA)", dataclasses.replace(base, attention="reference")),
+                (f"heads {wide} (cudnn)", dataclasses.replace(base, head_layout=wide)),
+                (f"heads {wide} (XLA)", dataclasses.replace(base, head_layout=wide, attention="reference"))]
+    print(f"\nlevers, 8 layers at 7B width, seq {base.seq_len}, batch 1")
     header()
-    for name, tcfg, mcfg in variants:
-        mcfg = mcfg or dataclasses.replace(train.model_config(tcfg), n_layers=8, layer_types=m8.layer_types)
+    for name, tcfg in variants:
         try:
-            mcfg = with_recipe(mcfg, tcfg)
+            mcfg = train.model_config(tcfg, m8)
             alone(name, tcfg.seq_len, lambda: ours_step(mcfg, tcfg, 1), mcfg, tcfg.seq_len)
         except Exception as e:  # a lever that does not compile on this chip is a result, not a crash
             print(f"{name:<44} failed: {type(e).__name__}: {str(e)[:200]}")
@@ -236,10 +243,13 @@ def levers(args):
 
 def determinism(args):
     """Two fresh runs of the same steps: are the losses bitwise equal?"""
-    tcfg = train.PRESETS["tiny"] if not args.gpu else dataclasses.replace(train.PRESETS["7b"], global_batch=1, remat="none")
-    mcfg = train.model_config(tcfg)
     if args.gpu:
-        mcfg = dataclasses.replace(mcfg, n_layers=4, layer_types=mcfg.layer_types[:4])
+        m, t, _ = gpu_shapes(args)
+        tcfg = dataclasses.replace(t, global_batch=1, remat="none")
+        mcfg = train.model_config(tcfg, dataclasses.replace(m, n_layers=4, layer_types=m.layer_types[:4]))
+    else:
+        tcfg = train.PRESETS["tiny"]
+        mcfg = train.model_config(tcfg)
     tokens = tcfg.global_batch * tcfg.seq_len
     runs = [alone(f"determinism run {i + 1}", tokens, lambda: ours_step(mcfg, tcfg, tcfg.global_batch), mcfg,
                   tcfg.seq_len, steps=4)[1] for i in range(2)]
@@ -250,6 +260,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="tiny: the CPU comparison")
     parser.add_argument("--gpu", action="store_true", help="the H200 shapes")
+    parser.add_argument("--small", action="store_true", help="with --gpu: the same code at a CPU's size (a check)")
     parser.add_argument("--only", default="all", choices=["all", "8layers", "7b", "levers"])
     parser.add_argument("--accumulate", type=int, default=8, help="microbatches per step for the full 7B")
     parser.add_argument("--compile", action="store_true", help="also torch.compile on CPU (slow to compile)")
