@@ -4,6 +4,7 @@
     python bench/speed.py --gpu                # one GPU: 8 layers at 7B width, then the full 7B, plus levers
     python bench/speed.py --gpu --only levers  # just the lever table
     python bench/speed.py --gpu --small        # the GPU code path at a CPU's size: does it run through?
+    python bench/speed.py --gpu --only 7b --profile /tmp/prof   # + where the 7B step's time goes, by kind
 
 Prints one row per system (tokens/s, MFU, peak memory, compile time) and lines beginning `ratio`.
 MFU = tokens/s x train.flops_per_token (exact causal/sliding attention count) / the chip's peak.
@@ -116,7 +117,7 @@ def measure(systems, mcfg, seq, steps):
         step()
         runs.append((name, tokens, step, time.perf_counter() - t0, []))
     losses = {name: [] for name, *_ in runs}
-    trace = jax.profiler.trace(PROFILE_DIR) if PROFILE_DIR else contextlib.nullcontext()
+    trace = jax.profiler.trace(PROFILE_DIR, create_perfetto_trace=True) if PROFILE_DIR else contextlib.nullcontext()
     with trace:  # where the time goes: open the trace in XProf, TensorBoard or Perfetto
         for _ in range(steps):
             for name, _, step, _, times in runs:
@@ -127,7 +128,53 @@ def measure(systems, mcfg, seq, steps):
     for name, tokens, _, first_s, times in runs:
         step_s = float(np.median(times))
         tps[name] = report(name, tokens, step_s, first_s - step_s, mcfg, seq, peak_memory(), losses[name][-1])
+    if PROFILE_DIR:
+        profile_summary(PROFILE_DIR, steps, sum(runs[0][4]) if len(runs) == 1 else None)
     return tps, losses
+
+
+# What an XLA op is, by the names of its HLO instruction and kernel; the first match wins.
+OP_KINDS = [("attention", ("fmha", "sdpa", "flash", "splash", "cudnn")),
+            ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "dot", "ynn_fusion")),
+            ("collective", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective")),
+            ("copy/transpose", ("copy", "transpose", "memcpy", "memset"))]
+
+
+def profile_summary(trace_dir, steps, wall_s=None):
+    """Where the traced steps' time went: XLA's ops (the trace events naming an HLO instruction; on a GPU or
+    TPU those on the device) by kind, the top ones, and, for one system traced alone, the host gaps: the
+    wall time no op covers."""
+    import collections
+    import glob
+    import gzip
+
+    newest = max(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)
+    events = json.load(gzip.open(newest))["traceEvents"]
+    devices = {e["pid"] for e in events if e.get("name") == "process_name" and "/device:" in e["args"]["name"]}
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
+           and (not devices or e["pid"] in devices)]
+    if not ops:
+        return
+    by_kind, by_op = collections.Counter(), collections.Counter()
+    for e in ops:
+        label = f"{e['name']} {e['args']['hlo_op']}".lower()
+        kind = next((k for k, keys in OP_KINDS if any(key in label for key in keys)), "other fusions")
+        by_kind[kind] += e["dur"] / 1e3 / steps  # ms per step
+        by_op[e["args"]["hlo_op"]] += e["dur"] / 1e3 / steps
+    total = sum(by_kind.values())
+    print(f"profile ({newest}): XLA op time per step, summed over threads/streams: {total:.1f} ms")
+    for kind, ms in by_kind.most_common():
+        print(f"  {kind:<16} {ms:9.1f} ms  {100 * ms / total:5.1f}%")
+    print("  top ops: " + ", ".join(f"{op} {ms:.1f}" for op, ms in by_op.most_common(8)))
+    if wall_s:
+        covered, end = 0.0, None
+        for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in ops):
+            if end is None or start > end:
+                covered, end = covered + stop - start, stop
+            elif stop > end:
+                covered, end = covered + stop - end, stop
+        gap_ms = (wall_s * 1e6 - covered) / 1e3 / steps
+        print(f"  host gaps (wall no op covers): {gap_ms:.1f} ms per step of {wall_s * 1e3 / steps:.1f}")
 
 
 def peak_memory():
