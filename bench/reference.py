@@ -49,6 +49,7 @@ from olmo_core.train.train_module import TransformerTrainModuleConfig
 
 import ckpt
 import data
+import olmo3
 import train
 
 # Relative per step and for the held-out loss; a fraction for top-1; nats for any one held-out token's loss.
@@ -138,7 +139,7 @@ def olmo_core_run(args, files, out: Path):
 
 def our_run(args, files, out: Path):
     """train.py's step on data.py's batches from OLMo-core's initial weights: our trained model and records."""
-    model = ckpt.load_hf(out / "init-hf", compute_dtype="float32", attention="reference")
+    model = ckpt.load_hf(out / "init-hf", compute=olmo3.Compute(dtype="float32", attention="reference"))
     # The official recipe's defaults (betas, eps, weight decay, clipping, z-loss, skip sigma), where OLMo-core's
     # side spells them out: a wrong default here would show. Scaled down: the sizes and the schedule.
     cfg = dataclasses.replace(train.PRESETS["7b"], seq_len=args.seq_len, global_batch=args.batch, seed=args.seed,
@@ -146,7 +147,7 @@ def our_run(args, files, out: Path):
                               skip_window=args.skip_window)
     for override in args.ours:
         name, value = override.split("=", 1)
-        cfg = dataclasses.replace(cfg, **{name: type(getattr(cfg, name))(value)})
+        cfg = train.with_flag(cfg, name, train.flags()[name][0](value))
     loader = data.TokenLoader(files["train"], cfg.seq_len, cfg.global_batch, seed=cfg.seed, dtype=np.uint32,
                               vocab_size=model.cfg.vocab_size, work_dir=str(out / "ours-work"))
     opt = train.init_opt(model, cfg)
@@ -200,7 +201,7 @@ def held_out(ours, theirs, files, length: int, n_tokens: int) -> dict:
     loader = data.TokenLoader(files["val"], length, 1, dtype=np.uint32)
     sequences = [loader.instance(j) for j in range(min(max(1, n_tokens // length), loader.num_instances))]
     vocab = data.get_tokenizer("dolma2").vocab_size  # no text ever continues with one of the 74 padding ids
-    bf16 = eqx.tree_at(lambda m: m.cfg, ours, dataclasses.replace(ours.cfg, compute_dtype="bfloat16"))
+    bf16 = ours.using(dataclasses.replace(ours.compute, dtype="bfloat16"))
     top1, ce = map(np.concatenate, zip(*(olmo_core_predictions(theirs, s, vocab) for s in sequences)))
     result = {"length": length, "sequences": len(sequences), "olmo_core_loss": float(ce.mean(dtype=np.float64)),
               "distinct_top1": len(np.unique(top1))}  # how varied the predictions compared are

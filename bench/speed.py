@@ -7,12 +7,13 @@
     python bench/speed.py --gpu --only 7b --profile /tmp/prof   # + where the 7B step's time goes, by kind
 
 Prints one row per system (tokens/s, MFU, peak memory, compile time) and lines beginning `ratio`.
-MFU = tokens/s x train.flops_per_token (exact causal/sliding attention count) / the chip's peak.
+MFU = tokens/s x Olmo3Config.flops_per_token (exact causal/sliding attention count) / the chip's peak.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -41,7 +42,7 @@ PROFILE_DIR = None  # --profile
 def report(name, tokens, step_s, compile_s, mcfg, seq, peak_mem, loss, note=""):
     peak = train.peak_flops(jax.devices()[0])
     tps = tokens / step_s
-    mfu = tps * train.flops_per_token(mcfg, seq) / peak if peak else None
+    mfu = tps * mcfg.flops_per_token(seq) / peak if peak else None
     row = dict(system=name, tokens_per_s=round(tps), step_s=round(step_s, 4), compile_s=round(compile_s, 1),
                mfu=round(mfu, 4) if mfu else None, peak_mem_gib=round(peak_mem / 2**30, 1) if peak_mem else None,
                loss=round(float(loss), 4), note=note)
@@ -65,7 +66,8 @@ def device_peak_memory():
 
 def ours_step(mcfg, tcfg, batch, n_micro=1):
     """Our jitted train step on random tokens, as a callable returning the loss."""
-    state = {"model": eqx.filter_jit(olmo3.Olmo3)(mcfg, key=jax.random.key(0))}
+    compute = dataclasses.replace(tcfg.compute, attention=train.attention_kernel(tcfg, jax.devices()[0].platform))
+    state = {"model": eqx.filter_jit(olmo3.Olmo3)(mcfg, key=jax.random.key(0), compute=compute)}
     state["opt"] = eqx.filter_jit(train.init_opt)(state["model"], tcfg)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, tcfg.seq_len)), jnp.int32)
 
@@ -239,7 +241,7 @@ def gpu_comparison(args):
     m, base, m8 = gpu_shapes(args)
     seq = base.seq_len
     if args.only in ("all", "8layers"):
-        t8 = dataclasses.replace(base, global_batch=1, remat="none")
+        t8 = train.with_flag(dataclasses.replace(base, global_batch=1), "remat", "none")
         print(f"\n8 layers at 7B width, seq {seq}, batch 1, bf16 compute, fp32 weights + Adam")
         header()
         ours, _ = alone("olmo3-jax (cudnn window, no remat)", seq, lambda: ours_step(train.model_config(t8, m8), t8, 1),
@@ -252,9 +254,9 @@ def gpu_comparison(args):
     if args.only in ("all", "7b"):
         t7 = dataclasses.replace(base, global_batch=args.accumulate, microbatch=1)
         m7 = train.model_config(t7, m)
-        print(f"\nthe full 7B on one chip: microbatch 1 x {seq}, {args.accumulate} accumulated, remat {t7.remat}")
+        print(f"\nthe full 7B on one chip: microbatch 1 x {seq}, {args.accumulate} accumulated, remat {t7.compute.remat}")
         header()
-        ours, _ = alone(f"olmo3-jax 7b preset (remat {t7.remat})", args.accumulate * seq,
+        ours, _ = alone(f"olmo3-jax 7b preset (remat {t7.compute.remat})", args.accumulate * seq,
                         lambda: ours_step(m7, t7, args.accumulate, n_micro=args.accumulate), m7, seq, steps=3)
         hf, _ = alone("transformers, gradient checkpointing", seq,
                       lambda: hf_step(m, seq, 1, bf16=True, checkpointing=True), m7, seq, steps=3)
@@ -266,17 +268,18 @@ def gpu_comparison(args):
 def levers(args):
     """Each lever on the 8-layer shape, one at a time against the default."""
     _, base, m8 = gpu_shapes(args)
-    base = dataclasses.replace(base, global_batch=1, remat="none")
+    base = train.with_flag(dataclasses.replace(base, global_batch=1), "remat", "none")
+    flag = functools.partial(train.with_flag, base)
     wide = f"{m8.n_heads // 2}x{m8.head_dim * 2}"  # 16x256 on the 7B: half the heads, twice as wide
     variants = [("default: cudnn, remat none", base),
-                ("remat save_matmuls", dataclasses.replace(base, remat="save_matmuls")),
-                ("remat save_attention", dataclasses.replace(base, remat="save_attention")),
-                ("remat full", dataclasses.replace(base, remat="full")),
+                ("remat save_matmuls", flag("remat", "save_matmuls")),
+                ("remat save_attention", flag("remat", "save_attention")),
+                ("remat full", flag("remat", "full")),
                 ("fused loss in chunks of 1024", dataclasses.replace(base, loss_chunk=min(1024, base.seq_len // 2))),
-                ("scan_unroll 2", dataclasses.replace(base, scan_unroll=2)),
-                ("attention reference (XLA)", dataclasses.replace(base, attention="reference")),
+                ("scan_unroll 2", flag("scan_unroll", 2)),
+                ("attention reference (XLA)", flag("attention", "reference")),
                 (f"heads {wide} (cudnn)", dataclasses.replace(base, head_layout=wide)),
-                (f"heads {wide} (XLA)", dataclasses.replace(base, head_layout=wide, attention="reference"))]
+                (f"heads {wide} (XLA)", train.with_flag(dataclasses.replace(base, head_layout=wide), "attention", "reference"))]
     print(f"\nlevers, 8 layers at 7B width, seq {base.seq_len}, batch 1")
     header()
     for name, tcfg in variants:
@@ -292,7 +295,7 @@ def determinism(args):
     """Two fresh runs of the same steps: are the losses bitwise equal?"""
     if args.gpu:
         m, t, _ = gpu_shapes(args)
-        tcfg = dataclasses.replace(t, global_batch=1, remat="none")
+        tcfg = train.with_flag(dataclasses.replace(t, global_batch=1), "remat", "none")
         mcfg = train.model_config(tcfg, dataclasses.replace(m, n_layers=4, layer_types=m.layer_types[:4]))
     else:
         tcfg = train.PRESETS["tiny"]

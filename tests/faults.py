@@ -17,42 +17,39 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ckpt  # noqa: E402
 import train  # noqa: E402
 
 moment, at = sys.argv[1].split(":")
 at = int(at)
-dispatched = {"step": 0}
-real_lr_at, real_train_step, real_save = train.lr_at, train.train_step, ckpt.Checkpoints.save
+real_take_step, real_save = train.take_step, train.save
 
 
 def kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def lr_at(step, cfg):
-    dispatched["step"] = step  # the loop asks for the LR of the step it is about to dispatch
-    return real_lr_at(step, cfg)
-
-
-def train_step(*args, **kwargs):
-    out = real_train_step(*args, **kwargs)
-    if moment == "mid_step" and dispatched["step"] == at:
+def take_step(run, step, *args):
+    out = real_take_step(run, step, *args)
+    if moment == "mid_step" and step == at:
         kill()
     return out
 
 
-def save(self, step, *args, **kwargs):
+def save(run, step, *args):
     if moment == "disk_full" and step == at:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    real_save(self, step, *args, **kwargs)
+    real_save(run, step, *args)
     if moment == "during_save" and step == at:
         kill()
     if moment == "after_commit" and step == at:
-        self.wait()
+        run.checkpoints.wait()
         kill()
 
 
-train.lr_at, train.train_step, ckpt.Checkpoints.save = lr_at, train_step, save
-sys.exit(train.main(train.parse_args(sys.argv[2:])))
+train.take_step, train.save = take_step, save
+try:
+    sys.exit(train.main(train.parse_args(sys.argv[2:])))
+except train.FlagError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)

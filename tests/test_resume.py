@@ -255,8 +255,8 @@ def test_restore_onto_another_mesh_is_bitwise(tmp_path):
     saver.close()
     for spec in ["fsdp=4", "data=1", "tensor=2"]:
         m_sh, o_sh = on(spec)
-        like_model = train.with_shardings(abstract, m_sh)
-        like_opt = train.with_shardings(abstract_opt, o_sh)
+        like_model = shard.abstract(abstract, m_sh)
+        like_opt = shard.abstract(abstract_opt, o_sh)
         got_model, got_train, meta = ckpt.Checkpoints(tmp_path).read(5, like_model, {"opt": like_opt})
         assert meta["note"] == "8 devices"
         for a, b in zip(jax.tree.leaves((model, opt)), jax.tree.leaves((got_model, got_train["opt"])), strict=True):

@@ -159,6 +159,27 @@ def test_the_rules_mlp_layout_is_exact_in_the_pattern_xla_miscompiles():
     np.testing.assert_allclose(got, ((2 * x) @ up) @ down, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2", "fsdp=2,tensor=4", "data=8"])
+def test_splash_runs_per_shard_on_every_layout(spec):
+    """Splash is a Pallas kernel XLA cannot partition, so on a mesh it runs on each device's rows and heads
+    (shard_map): against the reference attention on one device, forward and backward, grouped kv heads and
+    the window. (Interpreted here, as the mesh's CPU devices need; tests/test_compile.py compiles it for a
+    TPU.)"""
+    mesh = shard.make_mesh(spec)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((4, 256, n, 16)).astype(np.float32) for n in (8, 4, 4))
+    put = lambda x, heads: jax.device_put(x, NamedSharding(mesh, shard.spec(("batch", "seq", heads, "head_dim"),
+                                                                              x.shape, mesh)))
+    loss = lambda impl, layout: lambda q, k, v: (olmo3.attention(q, k, v, 64, impl, layout) ** 2).sum()
+    sharded = jax.value_and_grad(loss("splash", shard.Layout(mesh)), argnums=(0, 1, 2))
+    assert "shard_map" in str(jax.make_jaxpr(sharded)(q, k, v))
+    got, got_grads = jax.jit(sharded)(put(q, "heads"), put(k, "kv_heads"), put(v, "kv_heads"))
+    want, want_grads = jax.value_and_grad(loss("reference", None), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+
+
 # ---- sharding never changes the numbers
 
 # The tiny preset (fp32), with seq_len 128: past its sliding window of 64, so both kinds of layer run.
@@ -196,7 +217,8 @@ def tiny_runs(tiny_data):
                               seed=cfg.seed, dtype=np.uint16)
     batches = [loader.global_batch(i) for i in range(STEPS)]
     mcfg = train.model_config(cfg)
-    model0 = eqx.filter_jit(lambda key: olmo3.Olmo3(mcfg, key=key))(jax.random.key(cfg.init_seed))
+    compute = train.compute_policy(cfg, shard.make_mesh("data=1"))  # the kernel a CPU run uses: "local"
+    model0 = eqx.filter_jit(lambda key: olmo3.Olmo3(mcfg, key=key, compute=compute))(jax.random.key(cfg.init_seed))
     init = arrays(model0)
 
     def run(spec):
@@ -384,16 +406,16 @@ def test_dry_run_prints_the_memory_table_per_device(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     table = out.stdout[out.stdout.index("dry run:"):]
-    assert "{'data': 1, 'fsdp': 8, 'tensor': 1} (8 devices), 1 microbatch(es) of 1 rows x 256 per" in table
+    assert "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per" in table
     rows = {line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines()
             if line.endswith("GiB")}
     assert list(rows) == ["parameters (fp32)", "optimizer state (fp32)", "batch", "activations + temporaries",
-                          "total"]
+                          "generated code", "total"]  # (a CPU device states no memory limit)
     n_params = 7_606_528  # the tiny preset; each device holds an eighth (and the norm weights whole)
     assert rows["parameters (fp32)"] == pytest.approx(n_params * 4 / 8 / 2**30, abs=1e-3)
     assert rows["optimizer state (fp32)"] == pytest.approx(2 * rows["parameters (fp32)"], abs=2e-3)
     assert rows["activations + temporaries"] > 0
     assert rows["total"] >= sum(rows.values()) - rows["total"] - 1e-3
-    flops = train.flops_per_token(train.model_config(train.PRESETS["tiny"]), 256) * 8 * 256
+    flops = train.model_config(train.PRESETS["tiny"]).flops_per_token(256) * 8 * 256
     assert f"FLOPs per step: {flops:.3e}, {flops / 8:.3e} per device" in table
     assert not (tmp_path / "checkpoints").exists()  # it only compiles

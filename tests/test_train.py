@@ -21,17 +21,21 @@ SMALL = dataclasses.replace(olmo3.PRESETS["tiny"], vocab_size=256, d_model=16, n
                             n_kv_heads=2, head_dim=8, mlp_hidden=32, sliding_window=4)
 
 
-def test_parse_args_types_and_errors(capsys):
-    cfg = train.parse_args(["--preset", "tiny", "--steps=12", "--lr", "0.01", "--dry_run", "--mesh", "fsdp=2"])
+def test_parse_args_types_and_errors():
+    cfg = train.parse_args(["--preset", "tiny", "--steps=12", "--lr", "0.01", "--dry_run", "--mesh", "fsdp=2",
+                            "--remat", "full", "--dtype=bfloat16"])
     assert (cfg.preset, cfg.steps, cfg.lr, cfg.dry_run, cfg.mesh, cfg.seq_len) == ("tiny", 12, 0.01, True, "fsdp=2", 256)
-    with pytest.raises(SystemExit, match="unknown flag --stepz; did you mean --steps"):
+    assert cfg.compute == olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
+    with pytest.raises(train.FlagError, match="unknown flag --stepz; did you mean --steps"):
         train.parse_args(["--stepz", "3"])
-    with pytest.raises(SystemExit, match="--steps expects int, got 'many'"):
+    with pytest.raises(train.FlagError, match="--steps 'many': expected int"):
         train.parse_args(["--steps", "many"])
-    with pytest.raises(SystemExit, match="--preset 'huge' is not one of"):
+    with pytest.raises(train.FlagError, match="--preset 'huge': expected one of tiny, 190m, 1b, 7b, 32b"):
         train.parse_args(["--preset", "huge"])
-    with pytest.raises(SystemExit, match="--eval_only expects bool"):
+    with pytest.raises(train.FlagError, match="--eval_only 'maybe': expected true or false"):
         train.parse_args(["--eval_only=maybe"])
+    with pytest.raises(train.FlagError, match="--attention 'flash': expected one of auto, reference, local, cudnn"):
+        train.parse_args(["--attention", "flash"])
 
 
 def test_7b_preset_is_the_official_stage1_recipe():
@@ -52,10 +56,10 @@ def test_lr_schedule_matches_olmo_core():
     assert train.lr_at(597_046, cfg) == pytest.approx(1.650e-4, rel=1e-3)  # spec: LR where part 1 stops
 
 
-@pytest.mark.parametrize("chunk", [0, 8])
-def test_fused_lm_head_loss_and_gradients_match_olmo_core(chunk):
-    """Loss, z-loss and their gradients with respect to the features and the LM head, against OLMo-core's
-    cross_entropy_loss differentiated by torch autograd (the fused loss derives its gradients by hand)."""
+@pytest.mark.parametrize("path,chunk", [("fused", 0), ("fused", 8), ("reference", 0)])
+def test_lm_head_loss_and_gradients_match_olmo_core(path, chunk):
+    """Loss, z-loss and their gradients with respect to the features and the LM head, both paths, against
+    OLMo-core's cross_entropy_loss differentiated by torch autograd."""
     from olmo_core.data.utils import get_labels
     from olmo_core.nn.functional import cross_entropy_loss
 
@@ -72,7 +76,13 @@ def test_fused_lm_head_loss_and_gradients_match_olmo_core(chunk):
     ((ce + z) / n).backward()
 
     def loss(x, w):
-        total, (ce, zz) = train.lm_head_loss(x, w, jnp.roll(jnp.asarray(tokens), -1, axis=-1), chunk, z_loss, 1 / n)
+        targets = jnp.roll(jnp.asarray(tokens), -1, axis=-1)
+        if path == "fused":
+            total, (ce, zz) = train.fused_lm_head_loss(x, w, targets, chunk, z_loss, 1 / n)
+            ce, zz = jax.lax.stop_gradient((ce, zz))
+        else:
+            ce, zz = train.reference_lm_head_loss(x, w, targets)
+            total = (ce + z_loss * zz) / n
         return total, (ce / n, z_loss * zz / n)
 
     (total, (ours_ce, ours_z)), (dx, dw) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(jnp.asarray(x),
@@ -82,25 +92,25 @@ def test_fused_lm_head_loss_and_gradients_match_olmo_core(chunk):
     assert float(ours_z) == pytest.approx(float(z) / n, rel=1e-6)
     np.testing.assert_allclose(dx, tx.grad.numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="--loss_chunk 12 must divide --seq_len 16"):
-        train.lm_head_loss(jnp.asarray(x), jnp.asarray(w), jnp.asarray(tokens), 12, z_loss, 1.0)
 
 
-def test_loss_fn_gradients_equal_autodiff_through_the_model():
-    """The fused LM head inside the model's loss: the same loss and gradients as autodiff of plain logits."""
+def test_fused_and_reference_losses_agree_through_the_model():
+    """The loss_fn of each path (--loss fused / reference) inside the model: the same loss and gradients, and
+    both the same as autodiff of the model's own logits."""
     model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)))
-    cfg = dataclasses.replace(train.PRESETS["tiny"], z_loss=1e-2, loss_chunk=8)
+    fused = dataclasses.replace(train.PRESETS["tiny"], z_loss=1e-2, loss_chunk=8)
 
     def plain(model):
         ce, lse = train.cross_entropy(model(tokens), jnp.roll(tokens, -1, axis=-1))
-        return (ce[:, :-1].sum() + cfg.z_loss * (lse[:, :-1] ** 2).sum()) / 62
+        return (ce[:, :-1].sum() + fused.z_loss * (lse[:, :-1] ** 2).sum()) / 62
 
-    (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, cfg)
     want, want_grads = eqx.filter_value_and_grad(plain)(model)
-    np.testing.assert_allclose(loss, want, rtol=1e-6)
-    for ours, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-6 * float(jnp.abs(ref).max()))
+    for cfg in (fused, dataclasses.replace(fused, loss="reference")):
+        (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, cfg)
+        np.testing.assert_allclose(loss, want, rtol=1e-6)
+        for ours, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-6 * float(jnp.abs(ref).max()))
 
 
 def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
@@ -201,8 +211,8 @@ def test_flops_per_token_counts_sliding_windows_exactly():
     small = dataclasses.replace(m, sliding_window=16, max_seq_len=seq)
     pairs = sum(int(np.asarray(olmo3.causal_mask(seq, small.window(t))).sum()) for t in small.layer_types)
     dense = 6 * (32 * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 4096 * 100352)
-    assert train.flops_per_token(small, seq) == pytest.approx(dense + 12 * 4096 * pairs / seq, rel=1e-12)
-    assert train.attention_pairs(8192, 4096) == 4096 * 4097 // 2 + 4096 * 4096
+    assert small.flops_per_token(seq) == pytest.approx(dense + 12 * 4096 * pairs / seq, rel=1e-12)
+    assert m.attention_pairs(8192, olmo3.SLIDING) == 4096 * 4097 // 2 + 4096 * 4096
 
 
 def test_peak_table_knows_the_chips():

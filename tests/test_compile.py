@@ -1,0 +1,101 @@
+"""Compiling for hardware this machine does not have: TPU slices through libtpu's own compiler (the [tpu]
+extra, which the tests install), with the real Mosaic Splash kernel, from a CPU-only machine."""
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import olmo3
+import shard
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name,topology,devices,kind", [
+    ("v5p-512", "v5p:4x8x8", 256, "TPU v5"),  # gcloud counts v5p's TensorCores: 256 chips
+    ("v6e-256", "v6e:16x16", 256, "TPU v6 lite"),
+    ("v5litepod-256", "v5e:16x16", 256, "TPU v5 lite"),
+    ("v4-128", "v4:4x4x4", 64, "TPU v4"),
+    ("tpu7x-128", "tpu7x:4x4x4", 128, "TPU7x"),  # Ironwood: 64 chips, two devices each
+    ("v5p:8x8x4", "v5p:8x8x4", 256, "TPU v5"),
+    ("TPU7x:2x2x1", "tpu7x:2x2x1", 8, "TPU7x"),
+])
+def test_slices_by_the_names_gcloud_takes(name, topology, devices, kind):
+    target = shard.compile_target(name)
+    assert (target.topology, len(target.devices)) == (topology, devices)
+    assert {d.device_kind for d in target.devices} == {kind} and {d.platform for d in target.devices} == {"tpu"}
+    two = shard.compile_target(name, num_slices=2)
+    assert len(two.devices) == 2 * devices and {d.slice_index for d in two.devices} == {0, 1}
+
+
+def test_slice_names_that_are_not_slices_are_refused():
+    for bad, hint in [("v5p-100", "not a power-of-two slice of v5p"), ("v9-8", "expected an accelerator type"),
+                      ("v5p:4xfour", "expected a topology such as")]:
+        with pytest.raises(ValueError, match=f"--topology '{bad}': .*{hint}"):
+            shard.compile_target(bad)
+
+
+@pytest.mark.parametrize("family", list(shard.TPU_FAMILIES))
+def test_hbm_table_is_what_the_tpu_compiler_allows(family):
+    """Each family's HBM per device, as the TPU compiler states it when a program does not fit."""
+    target = shard.compile_target(f"{family}-8")
+    mesh = Mesh(target.devices[:1], ("x",))
+    big = jax.ShapeDtypeStruct((2**36,), jnp.float32, sharding=NamedSharding(mesh, P()))  # 256 GiB
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as e:
+        jax.jit(lambda x: jnp.sin(x) + jnp.cos(x)).lower(big).compile()
+    available = float(re.search(r"exceeds available HBM \(([\d.]+)G\)", str(e.value)).group(1))
+    assert target.hbm_per_device == int(available * 2**30)
+
+
+def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_tensor_parallelism():
+    """A small OLMo 3 (sliding and full layers, grouped kv heads) for a v5e:2x2 with fsdp and tensor axes:
+    every attention call is a Mosaic custom call (an interpreted kernel would be plain HLO), and the TPU
+    compiler's memory figures add up."""
+    target = shard.compile_target("v5e:2x2")
+    mesh = shard.make_mesh("fsdp=2,tensor=2", list(target.devices))
+    cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=512, compute=olmo3.Compute("bfloat16", "auto"))
+    model_cfg = train.model_config(cfg, dataclasses.replace(olmo3.PRESETS["tiny"], n_kv_heads=2))
+    compute = train.compute_policy(cfg, mesh)
+    assert compute.attention == "splash"  # chosen for the devices compiled for, not for this CPU
+    compiled, (params, opt, batch) = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)
+    hlo = compiled.as_text()
+    calls = re.findall(r'custom_call_target="tpu_custom_call".*?op_name="([^"]*)"', hlo, re.DOTALL)
+    kernels = [re.search(r"attention/shard_map/.*/(splash_mha_[a-z_]+?)/pallas_call", c).group(1) for c in calls]
+    # The scan runs one group of 4 layers: 4 forward kernels, and 4 fused backward ones (dq, dk, dv in one).
+    assert sorted(kernels) == ["splash_mha_dkv_no_residuals"] * 4 + ["splash_mha_fwd_residuals"] * 4, kernels
+    mem = compiled.memory_analysis()
+    per_device = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                                  for x in jax.tree.leaves(tree))
+    assert mem.argument_size_in_bytes == pytest.approx(per_device((params, opt, batch)), rel=0.01)
+    assert mem.alias_size_in_bytes >= per_device((params, opt)) * 0.99  # donated: updated in place
+    assert 0 < mem.temp_size_in_bytes < target.hbm_per_device
+
+
+def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_noise(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="")  # as a user runs it: train.py itself keeps the backend on the CPU
+    args = ["--preset", "tiny", "--dry_run", "--topology", "v5litepod-4", "--mesh", "fsdp=2,tensor=2",
+            "--dtype", "bfloat16", "--run_dir", str(tmp_path / "run")]
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip() == "", out.stderr[-3000:]  # no TPU_ACCELERATOR_TYPE / worker-hostname warnings
+    table = out.stdout[out.stdout.index("dry run:"):]
+    assert "v5litepod-4 (v5e:2x2), 4 devices of TPU v5 lite, mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in table
+    assert "attention 'splash'" in table
+    rows = {line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")}
+    assert list(rows) == ["parameters (fp32)", "optimizer state (fp32)", "batch", "activations + temporaries",
+                          "generated code", "total", "HBM"]
+    assert rows["HBM"] == 15.75
+    spare = rows["HBM"] - rows["total"]
+    assert f"fits, with {spare:.1f} GiB to spare" in table
+    assert not (tmp_path / "run").exists()  # it only compiles
