@@ -15,7 +15,9 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -414,10 +416,37 @@ class CheckpointError(OSError):
 
 
 def _cause(e: BaseException) -> str:
-    """The first line of the innermost error: what actually went wrong (ENOSPC, say), not the wrappers."""
+    """What actually went wrong, in a few words: the operating system's error if there is one (TensorStore
+    wraps it as os_error_code='28': "No space left on device"), else the innermost error's first line."""
     while e.__cause__ or e.__context__:
         e = e.__cause__ or e.__context__
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    if code := re.search(r"os_error_code='(\d+)'", str(e)):
+        return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def _orbax_detail_to(log: Path | None) -> None:
+    """Orbax logs its failures (a restore of a damaged checkpoint: pages of TensorStore detail) before raising
+    them, and after a failed write TensorStore still calls back into Orbax's closed event loop, which Python
+    prints as tracebacks. Checkpoints reports each failure in one line; the detail goes to `log` (the run's
+    log.txt), or, for a command that only reads, nowhere."""
+    absl = logging.getLogger("absl")
+    absl.propagate = False
+    for handler in absl.handlers[:]:
+        absl.removeHandler(handler)
+    absl.addHandler(logging.FileHandler(log) if log else logging.NullHandler())
+    sys.unraisablehook = functools.partial(_late_callback, sys.__unraisablehook__, log)
+
+
+def _late_callback(default, log: Path | None, unraisable) -> None:
+    if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+        if log:
+            import traceback
+
+            with open(log, "a") as f:
+                f.write("".join(traceback.format_exception(unraisable.exc_value)))
+    else:
+        default(unraisable)
 
 
 class Checkpoints:
@@ -447,6 +476,7 @@ class Checkpoints:
                 probe.unlink()
         except OSError as e:
             raise OSError(f"checkpoint directory {self.dir} is not writable: {e}") from e
+        _orbax_detail_to(None if read_only or jax.process_index() else self.dir.parent / "log.txt")
         self.options = ocp.CheckpointManagerOptions(read_only=True) if read_only else ocp.CheckpointManagerOptions(
             max_to_keep=keep_last, keep_period=keep_every or None, enable_async_checkpointing=True,
             cleanup_tmp_directories=True)  # an interrupted save's temporary folder is removed, never used

@@ -39,6 +39,10 @@ TINY_VOCAB, TINY_EOS = 8192, "<|endoftext|>"
 TINY_VAL_PLAYS = ("macbeth", "the-tempest", "the-comedy-of-errors")  # held out whole: 6% of the tokens
 
 
+class DataError(ValueError):
+    """Token data that cannot be trained on, named by file and offset."""
+
+
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The smallest uint dtype holding ids below vocab_size: OLMo-core's NumpyDatasetConfig.get_dtype."""
     for dtype in (np.uint8, np.uint16, np.uint32):
@@ -146,7 +150,7 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
     bad = np.flatnonzero(tokens >= vocab_size)
     if len(bad):
         j = int(bad[0])
-        raise ValueError(f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
+        raise DataError(f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
                          f"(another tokenizer? {dtype_for_vocab(vocab_size)} files read as another dtype?)")
 
 
@@ -246,7 +250,7 @@ class TokenLoader:
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             r, t = np.argwhere(rows >= self.vocab_size)[0]
             path, offset = self.where(int(instances[r]))
-            raise ValueError(f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
+            raise DataError(f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
                              f"{self.vocab_size}; `python data.py check {path} --vocab_size {self.vocab_size}` "
                              "scans every token (another tokenizer? a file of another dtype?)")
         return rows
@@ -391,7 +395,7 @@ def _dolma2_tokenizer_json() -> str:
     every way a token splits into two others, ranked by the token it makes (tiktoken merges the pair whose
     result ranks lowest). tiktoken's pattern uses possessive quantifiers, which the `tokenizers` regex engine
     (Oniguruma) reads otherwise ({1,3}+ repeats the group), and its $ means the end of a line there; greedy
-    quantifiers and \z split text as tiktoken does (tests/test_data.py compares on all of Shakespeare)."""
+    quantifiers and an end-of-text anchor split text as tiktoken does (tests/test_data.py compares on all of Shakespeare)."""
     import tiktoken
     from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 

@@ -374,13 +374,15 @@ def cluster() -> str | None:
     return None
 
 
-def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1) -> None:
+def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1,
+               heartbeat_timeout: int = 100) -> None:
     """Start JAX's multi-host runtime when there are several hosts; must run before anything touches a device.
 
     The environments cluster() names are detected; elsewhere pass --coordinator host:port --num_processes N
     --process_id i on every host (the same command, each with its own i). Cross-process collectives on the
     CPU use gloo, JAX's default. Only this runtime may handle SIGTERM afterwards (train.py installs no
-    handler then), so that every process learns of a preemption at the same step.
+    handler then), so that every process learns of a preemption at the same step. A process silent for
+    `heartbeat_timeout` seconds (killed, or its host gone) makes the others stop with an error, not hang.
     """
     if coordinator or num_processes or process_id != -1:
         if not (num_processes > 0 and 0 <= process_id < num_processes
@@ -388,6 +390,7 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
             raise ValueError("--coordinator host:port, --num_processes N and --process_id 0..N-1 go "
                              f"together; got --coordinator {coordinator!r} --num_processes {num_processes} "
                              f"--process_id {process_id}")
-        jax.distributed.initialize(coordinator or None, num_processes, process_id)
+        jax.distributed.initialize(coordinator or None, num_processes, process_id,
+                                   heartbeat_timeout_seconds=heartbeat_timeout)
     elif cluster():
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout)

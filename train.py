@@ -104,6 +104,7 @@ class TrainConfig:
     coordinator: str = ""  # multi-host outside TPU VMs / known clusters: host:port of process 0
     num_processes: int = 0
     process_id: int = -1
+    heartbeat_timeout: int = 100  # seconds a process may go silent before the others stop (multi-host)
 
 
 # The official stage-1 recipe is the default above; the smaller presets scale it down.
@@ -200,7 +201,7 @@ def check(cfg: TrainConfig) -> None:
     at_least = {"steps": 1, "seq_len": 2, "global_batch": 1, "warmup_steps": 0, "lr_horizon": 1,
                 "skip_window": 2, "microbatch": 0, "loss_chunk": 0, "ckpt_every": 1, "keep_last": 2,
                 "keep_every": 0, "eval_every": 1, "eval_batches": 1, "samples": 0, "num_slices": 1,
-                "num_processes": 0, "process_id": -1}
+                "num_processes": 0, "process_id": -1, "heartbeat_timeout": 1}
     for name, low in at_least.items():
         if getattr(cfg, name) < low:
             raise FlagError(f"--{name} {getattr(cfg, name)}: expected an integer >= {low}")
@@ -533,7 +534,7 @@ def start_devices(cfg: TrainConfig):
         jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
         target = shard.compile_target(cfg.topology, cfg.num_slices)
     else:
-        shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+        shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
     try:
         return shard.make_mesh(cfg.mesh, list(target.devices) if target else None), target
     except ValueError as e:
@@ -965,9 +966,19 @@ def main(cfg: TrainConfig) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> int:
+    """main() from the command line: bad usage exits 2 and a run stopped by what it found (a failed save,
+    a NaN, bad data, a busy run directory) exits 1, each with one line naming the cause; anything else is a
+    bug and keeps its traceback."""
     try:
-        sys.exit(main(parse_args(sys.argv[1:])))
+        return main(parse_args(argv))
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except (ckpt.CheckpointError, ckpt.RunDirBusy, data.DataError, FloatingPointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -48,8 +48,4 @@ def save(run, step, *args):
 
 
 train.take_step, train.save = take_step, save
-try:
-    sys.exit(train.main(train.parse_args(sys.argv[2:])))
-except train.FlagError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+sys.exit(train.cli(sys.argv[2:]))

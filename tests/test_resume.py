@@ -1,5 +1,6 @@
-"""Checkpoints and resumption: a run killed anywhere and restarted logs every step bitwise equal to an
-uninterrupted run; SIGTERM saves and exits 0; corrupt checkpoints are set aside; bad configs are refused."""
+"""Checkpoints, resumption and the run directory: a run killed anywhere and restarted logs every step once,
+bitwise equal to an uninterrupted run; SIGTERM saves and exits 0; corrupt checkpoints are set aside; bad
+configs are refused; a second writer is refused; a failed save stops the run; ckpt.py only reads."""
 
 import dataclasses
 import json
@@ -45,9 +46,10 @@ def run(env, run_dir, data_root, *extra, fault="none:0", wait=True):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def rows(run_dir) -> list[dict]:
+def rows(run_dir, kind="loss") -> list[dict]:
+    """The train rows of metrics.jsonl (or, with kind="eval_loss", the eval rows)."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-            if '"loss"' in line]
+            if f'"{kind}"' in line]
 
 
 def final_model(run_dir, step=STEPS):
@@ -69,8 +71,10 @@ def reference(env, tiny_data, tmp_path_factory):
 def assert_same_as_reference(run_dir, reference):
     ref_dir, ref_rows = reference
     logged = rows(run_dir)
-    assert {r["step"] for r in logged} == set(range(1, STEPS + 1)), "a step is missing"
-    for r in logged:  # every attempt's rows, repeated steps included, bit for bit
+    # One row per step, as of the checkpoint each attempt resumed from: none missing, none repeated.
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows(run_dir, "eval_loss")] == [STEPS]  # --eval_every 1000: the last step only
+    for r in logged:  # bit for bit
         want = ref_rows[r["step"]]
         for key in ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipped"):
             assert r[key] == want[key], f"step {r['step']} {key}: {r[key]!r} != {want[key]!r}"
@@ -90,9 +94,11 @@ def test_killed_three_times_in_a_row_resumes_bitwise(env, tiny_data, reference, 
     for fault in ["mid_step:5", "during_save:6", "after_commit:9"]:
         out = run(env, tmp_path, tiny_data, fault=fault)
         assert out.returncode == -signal.SIGKILL, (fault, out.stderr[-3000:])
+        assert (tmp_path / "lock").exists()  # left by the killed process ...
     out = run(env, tmp_path, tiny_data)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "resuming from" in out.stdout and f"(step 9)" in out.stdout
+    assert out.returncode == 0, out.stderr[-3000:]  # ... and taken over: its process is gone
+    assert "resuming from" in out.stdout and "(step 9)" in out.stdout
+    assert not (tmp_path / "lock").exists()
     assert_same_as_reference(tmp_path, reference)
 
 
@@ -215,17 +221,118 @@ def test_changed_recipe_is_refused_unless_allowed(env, tiny_data, reference, tmp
     assert [r["step"] for r in rows(run_dir)][-2:] == [13, 14]
 
 
-def test_disk_full_surfaces_with_the_path_and_keeps_the_last_checkpoint(env, tiny_data, reference, tmp_path):
+def test_disk_full_stops_the_run_naming_the_save_and_keeps_the_last_checkpoint(env, tiny_data, reference, tmp_path):
     out = run(env, tmp_path, tiny_data, fault="disk_full:6")
-    assert out.returncode not in (0, -signal.SIGKILL)
-    assert str(tmp_path / "checkpoints") in out.stderr and "failed" in out.stderr
-    assert ckpt.Checkpoints(tmp_path).steps() == [3]  # 6 never committed; 3 untouched
-    # The write fails in the background; the loop checks every step and stops as soon as Orbax reports it,
-    # at the latest when it would save again: it never carries on without checkpoints.
-    assert max(r["step"] for r in rows(tmp_path)) <= 9
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]  # one line: the step, the path, the cause
+    assert last.startswith(f"error: saving checkpoint 6 to {tmp_path / 'checkpoints' / '6'} failed: ") and \
+        "File too large" in last, out.stderr[-3000:]
+    assert ckpt.Checkpoints(tmp_path).steps() == [3]  # 6 never committed; 3 untouched ...
+    assert not list((tmp_path / "checkpoints").glob("6.orbax-checkpoint-tmp*"))  # ... and no half of 6 left
+    assert "saving checkpoint 6 failed" in (tmp_path / "log.txt").read_text()
+    # The write fails in the background; the loop stops at the first step boundary after it does, at the
+    # latest before it would save again: it never goes on without checkpoints.
+    assert max(r["step"] for r in rows(tmp_path)) < 9
     out = run(env, tmp_path, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_as_reference(tmp_path, reference)
+
+
+def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(env, tiny_data, reference, tmp_path):
+    """The run directory on a 100 MB tmpfs of its own (a mount namespace): checkpoint 3 (67 MB) fits, 6 does
+    not, and the write fails with ENOSPC as on a full disk. The run directory is copied out before the mount
+    goes away, then resumed where there is room."""
+    disk, saved = tmp_path / "disk", tmp_path / "saved"
+    disk.mkdir()
+    cmd = " ".join([sys.executable, str(ROOT / "tests" / "faults.py"), "none:0", *FLAGS, "--run_dir", f"{disk}/run",
+                    "--data_root", str(tiny_data)])
+    script = f"mount -t tmpfs -o size=100m tmpfs {disk} && {{ {cmd}; echo exit=$?; cp -r {disk}/run {saved}; }}"
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    if "exit=" not in out.stdout:
+        pytest.skip(f"no private tmpfs here (unshare -rm): {out.stderr[-300:]}")
+    assert "exit=1" in out.stdout, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (f"error: saving checkpoint 6 to {disk}/run/checkpoints/6 failed: "
+                                                   "No space left on device (errno 28)"), out.stderr[-3000:]
+    assert sorted(p.name for p in (saved / "checkpoints").iterdir()) == ["3"]  # no half-written 6 left
+    out = run(env, saved, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "(step 3)" in out.stdout
+    assert_same_as_reference(saved, reference)
+
+
+def test_a_second_process_on_the_run_directory_is_refused_at_once(env, tiny_data, reference, tmp_path):
+    first = run(env, tmp_path, tiny_data, wait=False)
+    wait_for_steps(tmp_path, 2, first)
+    t0 = time.time()
+    second = run(env, tmp_path, tiny_data)
+    assert second.returncode == 1 and time.time() - t0 < 60
+    assert second.stderr.strip().splitlines()[-1].startswith(
+        f"error: {tmp_path} is in use by process {first.pid} (since "), second.stderr[-2000:]
+    first.communicate(timeout=300)
+    assert first.returncode == 0
+    assert_same_as_reference(tmp_path, reference)  # the second one wrote nothing
+
+
+def test_a_lock_held_on_another_host_is_refused_and_nothing_is_written(env, tiny_data, tmp_path):
+    (tmp_path / "lock").write_text(json.dumps({"host": "node-7", "pid": 4242, "started": "1", "job": "x",
+                                               "since": "2026-11-30 09:00:00"}))
+    out = run(env, tmp_path, tiny_data)
+    assert out.returncode == 1 and f"{tmp_path} is in use by process 4242 on host node-7" in out.stderr
+    assert f"remove {tmp_path / 'lock'}" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]
+
+
+def test_an_emptied_checkpoint_folder_retrains_without_repeating_rows(env, tiny_data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    shutil.rmtree(run_dir / "checkpoints")
+    out = run(env, run_dir, tiny_data)
+    assert out.returncode == 0 and "resuming from" not in out.stdout, out.stderr[-3000:]
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_eval_only_replaces_its_row_and_leaves_the_config(env, tiny_data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    config = (run_dir / "config.json").read_text()
+    for _ in range(2):
+        out = run(env, run_dir, tiny_data, "--eval_only")
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert f"step {STEPS}: held-out loss" in out.stdout
+    evals = rows(run_dir, "eval_loss")
+    assert [r["step"] for r in evals] == [STEPS]
+    assert evals[0]["eval_loss"] == rows(reference[0], "eval_loss")[0]["eval_loss"]  # the same checkpoint
+    assert (run_dir / "config.json").read_text() == config
+    assert_same_as_reference(run_dir, reference)
+
+
+def test_refused_resume_and_dry_run_leave_the_run_directory_as_it_was(env, tiny_data, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    out = run(env, run_dir, tiny_data, "--lr", "1e-3")
+    assert out.returncode == 2 and "lr: 0.002 -> 0.001" in out.stderr
+    out = run(env, run_dir, tiny_data, "--dry_run")
+    assert out.returncode == 0 and "dry run:" in out.stdout
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(env, tiny_data, tmp_path):
+    import data
+
+    tokens = np.fromfile(tiny_data / "train" / "part-00000.npy", np.uint16)[:64 * 400].copy()
+    tokens[64 * 300 + 5] = 9000  # past the first 4096 tokens (which the start-up check reads) and the vocab
+    bad = tmp_path / "bad.npy"
+    tokens.tofile(bad)
+    loader = data.TokenLoader([str(bad)], 64, 4, dtype=np.uint16, vocab_size=8192)
+    step = next(i for i in range(loader.num_batches) if 300 in loader._batch_indices(i))
+    out = run(env, tmp_path / "run", tiny_data, "--data", str(bad), "--steps", str(step + 1))
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: {bad}: token {64 * 300 + 5} has id 9000, not below the vocabulary of 8192; `python data.py check "
+        f"{bad} --vocab_size 8192` scans every token (another tokenizer? a file of another dtype?)")
+    assert len(rows(tmp_path / "run")) <= step  # it stopped at the batch, before training on it
 
 
 def test_unwritable_run_dir_fails_at_the_start(env, tiny_data, tmp_path):
@@ -288,20 +395,45 @@ def ckpt_cli(*args):
                           timeout=300)
 
 
-def test_list_shows_steps_and_validity(reference, tmp_path):
+def tree(path: Path) -> dict:
+    """Every file and folder under path, with its bytes and modification time: to check a command wrote nothing."""
+    return {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+def test_list_shows_steps_and_validity_and_writes_nothing(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
+    before = tree(run_dir)
     out = ckpt_cli("list", run_dir)
     assert out.returncode == 0, out.stderr
     assert [line.split()[0] for line in out.stdout.splitlines()[1:]] == ["9", str(STEPS)]
+    assert tree(run_dir) == before  # read-only: no probe file, no lock, no log
     flip_byte(run_dir / "checkpoints" / "9")
+    truncate(run_dir / "checkpoints" / str(STEPS))
     out = ckpt_cli("list", run_dir)
     assert out.returncode == 1 and "NO: checksum mismatch in train" in out.stdout
+    assert f"{STEPS:>10}" in out.stdout and "NO: arrays unreadable: " in out.stdout
+    assert len((out.stdout + out.stderr).strip().splitlines()) == 3, out.stdout + out.stderr  # a line each
 
 
-def test_to_hf_exports_what_transformers_loads(reference, tmp_path):
+def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_path):
+    for args in [("list", tmp_path / "typo"), ("to-hf", tmp_path / "typo", tmp_path / "out")]:
+        out = ckpt_cli(*args)
+        assert out.returncode == 1
+        assert out.stderr.strip() == f"error: {tmp_path / 'typo' / 'checkpoints'} does not exist: is {tmp_path / 'typo'} " \
+            "a run directory?", out.stderr
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    out = ckpt_cli("to-hf", tmp_path / "empty", tmp_path / "out")
+    assert out.returncode == 1 and out.stderr.strip() == (
+        f"error: {tmp_path / 'empty' / 'checkpoints'} has no checkpoint (steps: [])"), out.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "empty"]
+
+
+def test_to_hf_exports_what_transformers_loads_with_its_tokenizer(reference, tmp_path):
     import torch
-    from transformers import Olmo3ForCausalLM
+    from transformers import AutoTokenizer, Olmo3ForCausalLM
+
+    import data
 
     out = ckpt_cli("to-hf", reference[0], tmp_path / "hf")
     assert out.returncode == 0, out.stderr
@@ -314,12 +446,18 @@ def test_to_hf_exports_what_transformers_loads(reference, tmp_path):
         theirs = hf(input_ids=torch.as_tensor(ids)).logits.numpy()[0]
     mine = np.asarray(ours(jax.numpy.asarray(ids[0])))[:, : cfg.vocab_size]
     assert np.abs(mine - theirs).max() / np.abs(theirs).max() < 1e-5
+    # The run's own tokenizer travels with the weights (the tiny preset's, trained on Shakespeare).
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = data.tiny_plays()["val"][0][:5000]
+    assert tokenizer(text)["input_ids"] == data.get_tokenizer("tiny", str(reference[0] / "tokenizer.json")).encode(text)
+    assert tokenizer.eos_token_id == cfg.eos_token_id
 
 
-def test_from_hf_starts_a_run_at_step_0(env, tiny_data, reference, tmp_path):
+def test_from_hf_starts_a_run_at_step_0_and_says_how(env, tiny_data, reference, tmp_path):
     assert ckpt_cli("to-hf", reference[0], tmp_path / "hf").returncode == 0
     out = ckpt_cli("from-hf", tmp_path / "hf", tmp_path / "run")
     assert out.returncode == 0, out.stderr
+    assert f"python train.py --preset tiny --run_dir {tmp_path / 'run'} --data YOUR_TOKEN_FILES" in out.stdout
     assert ckpt.Checkpoints(tmp_path / "run").steps() == [0]
     out = run(env, tmp_path / "run", tiny_data, "--steps", "2", "--lr_horizon", "2")
     assert out.returncode == 0, out.stderr[-3000:]

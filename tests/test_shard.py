@@ -9,9 +9,11 @@ import functools
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -300,7 +302,7 @@ def test_parameters_are_born_sharded_and_equal_the_single_device_init(tiny_runs)
 
 def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(monkeypatch):
     calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda *args: calls.append(args))
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kw: calls.append(args + tuple(kw.values())))
     monkeypatch.setattr(jax._src.cloud_tpu_init, "running_in_cloud_tpu_vm", False)
     for var in ["SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
                 "JOB_COMPLETION_INDEX", "JAX_COORDINATOR_ADDRESS"]:
@@ -309,7 +311,7 @@ def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(mo
     shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)  # a laptop: nothing to start
     assert calls == [] and shard.cluster() is None
     shard.initialize("10.0.0.1:1234", 2, 1)  # the flags, on every host
-    assert calls == [("10.0.0.1:1234", 2, 1)]
+    assert calls == [("10.0.0.1:1234", 2, 1, 100)]
     with pytest.raises(ValueError, match=r"got --coordinator '10.0.0.1:1234' --num_processes 2 --process_id"):
         shard.initialize("10.0.0.1:1234", 2)
     with pytest.raises(ValueError, match=r"--process_id 2"):
@@ -328,7 +330,7 @@ def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(mo
     assert shard.cluster() == "Cloud TPU VM"
     calls.clear()
     shard.initialize()  # JAX finds the coordinator, the process count and this process's id itself
-    assert calls == [()]
+    assert calls == [(100,)]
 
 
 # ---- several processes, as on a pod: JAX's own multi-host runtime, over localhost
@@ -340,18 +342,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir, steps, tiny_data, *, processes, extra=()):
-    """`train.py --preset tiny` as `processes` processes that share 8 CPU devices."""
-    args = [sys.executable, "train.py", "--preset", "tiny", "--seq_len", "128", "--steps", str(steps),
-            "--mesh", "fsdp=-1", "--run_dir", str(run_dir), "--ckpt_every", "2", "--samples", "0",
-            "--data", str(tiny_data / "train" / "part-00000.npy"), *extra]
+def launch(run_dir, steps, tiny_data, *, processes, faults=None):
+    """`train.py --preset tiny` as `processes` processes that share 8 CPU devices; `faults`, one per process,
+    runs it through tests/faults.py (e.g. ["none:0", "during_save:4"])."""
+    args = ["--preset", "tiny", "--seq_len", "128", "--steps", str(steps), "--mesh", "fsdp=-1", "--run_dir",
+            str(run_dir), "--ckpt_every", "2", "--samples", "0", "--heartbeat_timeout", "10",
+            "--data", str(tiny_data / "train" / "part-00000.npy")]
     devices = f"--xla_force_host_platform_device_count={8 // processes}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices)
     if processes > 1:
-        args += ["--coordinator", f"localhost:{free_port()}", "--num_processes", str(processes),
-                 "--process_id"]
-    return [subprocess.Popen(args + ([str(i)] if processes > 1 else []), cwd=ROOT, env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(processes)]
+        args += ["--coordinator", f"localhost:{free_port()}", "--num_processes", str(processes), "--process_id"]
+    starts = [["tests/faults.py", fault] for fault in faults] if faults else [["train.py"]] * processes
+    return [subprocess.Popen([sys.executable, *start, *args, *([str(i)] if processes > 1 else [])], cwd=ROOT,
+                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for i, start in enumerate(starts)]
 
 
 def finish(procs) -> list[str]:
@@ -371,29 +375,37 @@ def metrics(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_log_what_one_process_logs_and_resume_together(tmp_path, tiny_data):
-    """2 processes x 4 CPU devices through jax.distributed, against 1 process x 8 devices, same mesh."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    pair = launch(two, 2, tiny_data, processes=2)  # saves step 2 and stops ...
-    single = launch(one, 3, tiny_data, processes=1)
-    first, _ = finish(pair), finish(single)
-    again = finish(launch(two, 3, tiny_data, processes=2, extra=["--allow_config_change"]))  # ... and resumes
-    for lead, other in (first, again):  # only process 0 prints
-        assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} over 8 devices in 2 processes" in lead
-        assert "config:" not in other and "resuming" not in other
-    assert "resuming from" in again[0] and "(step 2)" in again[0]
+def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save(tmp_path, tiny_data):
+    """2 processes x 4 CPU devices through jax.distributed, against 1 process x 8 devices, same mesh. Then
+    one of the two is killed while checkpoint 4 is written: the other stops (it does not hang), and the two
+    restarted resume from checkpoint 2, bit for bit."""
+    two, one, killed = tmp_path / "two", tmp_path / "one", tmp_path / "killed"
+    pair, single = launch(two, 6, tiny_data, processes=2), launch(one, 6, tiny_data, processes=1)
+    (lead, other), _ = finish(pair), finish(single)
+    assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} over 8 devices in 2 processes" in lead
+    assert "config:" not in other  # only process 0 prints
     # Every process writes its shards of every checkpoint; process 0 alone the metrics.
-    for step in (2, 3):
-        written = (two / "checkpoints" / str(step) / "model").glob("ocdbt.process_*")
-        assert sorted(p.name for p in written) == ["ocdbt.process_0", "ocdbt.process_1"]
+    written = (two / "checkpoints" / "6" / "model").glob("ocdbt.process_*")
+    assert sorted(p.name for p in written) == ["ocdbt.process_0", "ocdbt.process_1"]
     got, want = metrics(two), metrics(one)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(got, want):
         # The global batch holds the processes' rows one process after the other: the same rows in
         # another order, so the sums round differently, and the batch hashes (sums over rows) agree.
         assert a["batch_hash"] == b["batch_hash"]
         for name in ("loss", "grad_norm"):
             assert abs(a[name] - b[name]) <= 1e-5 * b[name], (a, b)
+
+    survivor, victim = launch(killed, 6, tiny_data, processes=2, faults=["none:0", "during_save:4"])
+    victim.communicate(timeout=300)
+    t0 = time.time()
+    out = survivor.communicate(timeout=120)[0]  # JAX's heartbeats stop it (--heartbeat_timeout 10)
+    assert victim.returncode == -signal.SIGKILL and survivor.returncode not in (0, None), out[-3000:]
+    assert "another task died" in out and time.time() - t0 < 90
+    lead, _ = finish(launch(killed, 6, tiny_data, processes=2))
+    assert "resuming from" in lead and "(step 2)" in lead
+    same = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows]
+    assert same(metrics(killed)) == same(got)  # every step once, bitwise
 
 
 # ---- the dry run

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -259,9 +260,57 @@ def test_short_tiny_run_end_to_end(tmp_path, tiny_data):
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
 
 
-def test_bad_flags_are_rejected_helpfully():
-    out = run_train("--preset", "tiny", "--ckpt_evry", "5")
-    assert out.returncode != 0 and "unknown flag --ckpt_evry; did you mean --ckpt_every" in out.stderr
+BAD_FLAGS = [  # (flags, the one line train.py answers with)
+    ("--steps 0", "--steps 0: expected an integer >= 1"),
+    ("--steps -5", "--steps -5: expected an integer >= 1"),
+    ("--seq_len 0", "--seq_len 0: expected an integer >= 2"),
+    ("--ckpt_every 0", "--ckpt_every 0: expected an integer >= 1"),
+    ("--eval_every 0", "--eval_every 0: expected an integer >= 1"),
+    ("--lr -1", "--lr -1.0: expected a number in (0, inf]"),
+    ("--lr nan", "--lr nan: expected a number in (0, inf]"),
+    ("--global_batch 0", "--global_batch 0: expected an integer >= 1"),
+    ("--keep_last 1", "--keep_last 1: expected an integer >= 2"),
+    ("--beta2 1.5", "--beta2 1.5: expected a number in [0, 1]"),
+    ("--head_layout abc", "--head_layout 'abc': expected HEADSxHEAD_DIM, e.g. 16x256"),
+    ("--head_layout 3x100", "--head_layout 3x100: expected heads x head_dim = 256 with heads a multiple of 1"),
+    ("--loss_chunk 7", "--loss_chunk 7: expected a divisor of --seq_len 256 (or 0)"),
+    ("--loss flash", "--loss 'flash': expected one of fused, reference"),
+    ("--remat some", "--remat 'some': expected one of none, full, save_matmuls, save_attention"),
+    ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,tensor=1"),
+    ("--topology v5p-512", "--topology v5p-512: devices that exist only for the compiler; add --dry_run"),
+    ("--dry_run --eval_only", "--dry_run and --eval_only: choose one"),
+    ("--init_from_hf /nowhere", "--init_from_hf /nowhere: no config.json there; expected a Hugging Face model"),
+    ("--tensorboard", "--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'"),
+    ("--steps=many", "--steps 'many': expected int"),
+    ("--ckpt_evry 5", "unknown flag --ckpt_evry; did you mean --ckpt_every"),
+]
+
+
+@pytest.mark.parametrize("flags,error", BAD_FLAGS)
+def test_bad_flags_are_refused_naming_the_flag_the_value_and_what_is_accepted(flags, error):
+    with pytest.raises(train.FlagError) as e:
+        train.check(train.parse_args(["--preset", "tiny", *flags.split()]))
+    assert str(e.value).startswith(error), str(e.value)
+
+
+def test_bad_flags_exit_2_at_once_in_one_line_and_write_nothing(tmp_path):
+    for flags, error in [("--ckpt_every 0", BAD_FLAGS[3][1]), ("--global_batch 6 --mesh fsdp=4",
+                         "--global_batch 6: expected a multiple of the 4 data x fsdp devices")]:
+        t0 = time.time()
+        out = run_train("--preset", "tiny", "--run_dir", str(tmp_path / "run"), *flags.split())
+        assert out.returncode == 2 and time.time() - t0 < 30, out.stderr[-2000:]  # before anything compiles
+        assert out.stderr.strip().startswith(f"error: {error}") and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_every_flag_with_its_default_and_comment():
+    out = run_train("--help")
+    assert out.returncode == 0 and run_train("-h").stdout == out.stdout
+    for name, (_, comment) in train.flags().items():
+        line = next(line for line in out.stdout.splitlines() if line.startswith(f"  --{name} "))
+        assert comment in line, line
+    assert "--lr                   0.0003         peak learning rate" in out.stdout
+    assert "--remat                'full'" in out.stdout
 
 
 def test_train_step_traces_once(tiny_data, tmp_path, monkeypatch):
