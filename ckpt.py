@@ -1,13 +1,16 @@
-"""Checkpoints: Orbax for the training state (the only file that imports orbax), and Hugging Face
-`Olmo3ForCausalLM` directories in and out.
+"""The run directory: Orbax checkpoints of the training state (the only file that imports orbax), the lock
+that gives the directory one writer, the metrics log; and Hugging Face `Olmo3ForCausalLM` directories in and
+out.
 
-    python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity
-    python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory
+    python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
+    python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
     python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
 
-A run directory keeps `checkpoints/<step>/` with three Orbax items: `model` (parameters), `train` (optimizer
-state with the skip-step window, RNG key) and `meta` (JSON: the config, the data fingerprint and a checksum
-per array). Orbax commits atomically but does not validate what it reads back, so the checksums are ours.
+A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (what went wrong, in full),
+`lock` while a run writes to it, and `checkpoints/<step>/` with three Orbax items: `model` (parameters),
+`train` (optimizer state with the skip-step window, RNG key) and `meta` (JSON: the config, the data
+fingerprint and a checksum per array). Orbax commits atomically but does not validate what it reads back,
+so the checksums are ours.
 """
 
 import argparse
@@ -19,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -29,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import data
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,8 +113,14 @@ def _rope_to_hf(rope: Rope) -> dict:
     if rope.yarn is None:
         return {"rope_type": "default", "rope_theta": rope.theta}
     y = rope.yarn
-    out = {"rope_type": "yarn", "rope_theta": rope.theta, "factor": y.factor, "beta_fast": y.beta_fast,
-           "beta_slow": y.beta_slow, "original_max_position_embeddings": y.original_max_position}
+    out = {
+        "rope_type": "yarn",
+        "rope_theta": rope.theta,
+        "factor": y.factor,
+        "beta_fast": y.beta_fast,
+        "beta_slow": y.beta_slow,
+        "original_max_position_embeddings": y.original_max_position,
+    }
     if y.attention_factor is not None:
         out["attention_factor"] = y.attention_factor
     if not y.truncate:
@@ -123,26 +134,52 @@ def _rope_from_hf(p: dict, layer_type: str, path: str) -> Rope:
         return Rope(theta=float(p["rope_theta"]))
     if kind == "yarn":
         if p.get("mscale") or p.get("mscale_all_dim"):
-            raise ValueError(f"{path}: YaRN with mscale/mscale_all_dim ({layer_type}) is not OLMo 3's and is not supported")
-        return Rope(theta=float(p["rope_theta"]), yarn=Yarn(
-            factor=float(p["factor"]), original_max_position=int(p["original_max_position_embeddings"]),
-            beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
-            attention_factor=p.get("attention_factor"), truncate=bool(p.get("truncate", True))))
-    raise ValueError(f"{path}: rope_type {kind!r} on {layer_type} layers is not supported; "
-                     "olmo3-jax implements 'default' and 'yarn'")
+            raise ValueError(
+                f"{path}: YaRN with mscale/mscale_all_dim ({layer_type}) is not OLMo 3's and is not supported"
+            )
+        return Rope(
+            theta=float(p["rope_theta"]),
+            yarn=Yarn(
+                factor=float(p["factor"]),
+                original_max_position=int(p["original_max_position_embeddings"]),
+                beta_fast=float(p.get("beta_fast") or 32),
+                beta_slow=float(p.get("beta_slow") or 1),
+                attention_factor=p.get("attention_factor"),
+                truncate=bool(p.get("truncate", True)),
+            ),
+        )
+    raise ValueError(
+        f"{path}: rope_type {kind!r} on {layer_type} layers is not supported; "
+        "olmo3-jax implements 'default' and 'yarn'"
+    )
 
 
 def config_to_hf(cfg: Olmo3Config, dtype: str = "float32") -> dict:
     return {
-        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_hidden, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp_hidden,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {SLIDING: _rope_to_hf(cfg.rope_sliding), FULL: _rope_to_hf(cfg.rope_full)},
-        "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
-        "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "initializer_range": cfg.init_std, "use_cache": True, "dtype": dtype,
-        "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "bos_token_id": None,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": list(cfg.layer_types),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+        "dtype": dtype,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "bos_token_id": None,
     }
 
 
@@ -163,12 +200,22 @@ def config_from_hf(hf: dict, path: str = "config.json") -> Olmo3Config:
         rp = {SLIDING: base, FULL: {**base, **(hf.get("rope_scaling") or {})}}
     eos = hf.get("eos_token_id")
     return Olmo3Config(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=layers, n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp_hidden=hf["intermediate_size"], layer_types=tuple(types), sliding_window=hf.get("sliding_window") or 4096,
-        rope_sliding=_rope_from_hf(rp[SLIDING], SLIDING, path), rope_full=_rope_from_hf(rp[FULL], FULL, path),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), max_seq_len=max(hf.get("max_position_embeddings") or 0, 0) or 8192,
-        eos_token_id=eos[0] if isinstance(eos, list) else eos, pad_token_id=hf.get("pad_token_id"))
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_hidden=hf["intermediate_size"],
+        layer_types=tuple(types),
+        sliding_window=hf.get("sliding_window") or 4096,
+        rope_sliding=_rope_from_hf(rp[SLIDING], SLIDING, path),
+        rope_full=_rope_from_hf(rp[FULL], FULL, path),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_seq_len=max(hf.get("max_position_embeddings") or 0, 0) or 8192,
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        pad_token_id=hf.get("pad_token_id"),
+    )
 
 
 def _hf_files(path: Path) -> dict[str, Path]:
@@ -182,17 +229,31 @@ def _hf_files(path: Path) -> dict[str, Path]:
     from safetensors import safe_open
 
     with safe_open(single, framework="numpy") as f:
-        return {name: single for name in f.keys()}
+        return {name: single for name in f.keys()}  # noqa: SIM118 - a safetensors file, not a dict
 
 
 def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str) -> None:
     """Released weights must be the preset's model (token ids and max length may differ), before loading."""
     hf = config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), f"{hf_dir}/config.json")
-    fields = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-              "layer_types", "sliding_window", "rope_sliding", "rope_full", "norm_eps")
+    fields = (
+        "vocab_size",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "mlp_hidden",
+        "layer_types",
+        "sliding_window",
+        "rope_sliding",
+        "rope_full",
+        "norm_eps",
+    )
     if diff := {f: (getattr(hf, f), getattr(cfg, f)) for f in fields if getattr(hf, f) != getattr(cfg, f)}:
-        raise ValueError(f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
-                         + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items()))
+        raise ValueError(
+            f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
+            + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items())
+        )
 
 
 def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
@@ -209,10 +270,14 @@ def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
     files = _hf_files(path)
     expected = {name for _, _, name, _ in hf_names(cfg)}
     if missing := sorted(expected - files.keys()):
-        raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                         f"({len(missing)} in all) for the model config.json describes")
+        raise ValueError(
+            f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} in all) for the model config.json describes"
+        )
     if extra := sorted(files.keys() - expected):
-        raise ValueError(f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM")
+        raise ValueError(
+            f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM"
+        )
 
     model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0), compute=compute)
     handles = {f: safe_open(f, framework="numpy") for f in set(files.values())}
@@ -227,7 +292,9 @@ def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
             want = _hf_shape(shape, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None)
             t = handles[files[name]].get_tensor(name)
             if t.shape != want:
-                raise ValueError(f"{files[name]}: tensor {name} has shape {list(t.shape)}, expected {list(want)}")
+                raise ValueError(
+                    f"{files[name]}: tensor {name} has shape {list(t.shape)}, expected {list(want)}"
+                )
             host[layer if layer is not None else ...] = hf_to_ours(t, shape, n_in, leaf in VOCAB_LEAVES)
         sharding = _leaf(shardings, leaf) if shardings is not None else None
         model = _set_leaf(model, leaf, jax.device_put(host, sharding))
@@ -245,8 +312,14 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
-def save_hf(model: Olmo3, path, *, dtype: str = "float32", shard_bytes: int = 5 * 10**9,
-            extra: dict[str, str] | None = None) -> Path:
+def save_hf(
+    model: Olmo3,
+    path,
+    *,
+    dtype: str = "float32",
+    shard_bytes: int = 5 * 10**9,
+    extra: dict[str, str] | None = None,
+) -> Path:
     """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
     cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
     `extra` files (name -> text: the tokenizer's)."""
@@ -266,7 +339,9 @@ def save_hf(model: Olmo3, path, *, dtype: str = "float32", shard_bytes: int = 5 
 
     for leaf, layer, name, n_in in hf_names(cfg):
         w = np.asarray(jax.device_get(_leaf(model, leaf) if layer is None else _leaf(model, leaf)[layer]))
-        t = np.ascontiguousarray(ours_to_hf(w, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None).astype(np_dtype))
+        t = np.ascontiguousarray(
+            ours_to_hf(w, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None).astype(np_dtype)
+        )
         if size and size + t.nbytes > shard_bytes:
             flush()
         current[name], size = t, size + t.nbytes
@@ -309,7 +384,11 @@ def checksums(arrays) -> dict:
     def one(x):
         x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
         width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32) if x.dtype != jnp.bool_ else x.astype(jnp.uint32)
+        bits = (
+            jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+            if x.dtype != jnp.bool_
+            else x.astype(jnp.uint32)
+        )
         odd = 2 * jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) + 1
         return jnp.sum(bits * odd, dtype=jnp.uint32)
 
@@ -318,12 +397,18 @@ def checksums(arrays) -> dict:
 
 def _checksum_table(arrays) -> dict[str, str]:
     sums = jax.device_get(checksums(arrays))
-    return {jax.tree_util.keystr(p, simple=True, separator="/"): f"{int(v):08x}"
-            for p, v in jax.tree_util.tree_leaves_with_path(sums)}
+    return {
+        jax.tree_util.keystr(p, simple=True, separator="/"): f"{int(v):08x}"
+        for p, v in jax.tree_util.tree_leaves_with_path(sums)
+    }
 
 
 class CorruptCheckpoint(Exception):
     """A committed checkpoint that cannot be read back as it was written."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run directory: one writer at a time, and the metrics log.
 
 
 class RunDirBusy(RuntimeError):
@@ -354,12 +439,16 @@ class RunLock:
             except RunDirBusy as e:
                 error = e
         if many and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
-            raise error or RunDirBusy(f"{self.path.parent}: process 0 could not take the run directory's lock")
+            raise error or RunDirBusy(
+                f"{self.path.parent}: process 0 could not take the run directory's lock"
+            )
         if error:
             raise error
         if many and (self._holder() or {}).get("job") != job:
-            raise RunDirBusy(f"{self.path} does not hold this job's lock: is {self.path.parent} on storage "
-                             "that every host shares?")
+            raise RunDirBusy(
+                f"{self.path} does not hold this job's lock: is {self.path.parent} on storage "
+                "that every host shares?"
+            )
         return self
 
     def __exit__(self, *exc):
@@ -375,8 +464,13 @@ class RunLock:
 
     def _take(self, job: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid()), "job": job,
-              "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _start_time(os.getpid()),
+            "job": job,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         for _ in range(3):
             try:
                 with open(self.path, "x") as f:  # created only if absent: one process wins
@@ -387,9 +481,11 @@ class RunLock:
                 holder = self._holder()
             if holder and (holder["host"] != me["host"] or _start_time(holder["pid"]) == holder["started"]):
                 where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
-                raise RunDirBusy(f"{self.path.parent} is in use by process {holder['pid']}{where} (since "
-                                 f"{holder['since']}); wait for it, use another --run_dir, or, if that process "
-                                 f"is gone, remove {self.path}")
+                raise RunDirBusy(
+                    f"{self.path.parent} is in use by process {holder['pid']}{where} (since "
+                    f"{holder['since']}); wait for it, use another --run_dir, or, if that process "
+                    f"is gone, remove {self.path}"
+                )
             with contextlib.suppress(FileNotFoundError):  # gone (a crash): set its lock aside and retry
                 os.replace(self.path, self.path.with_name(f"lock.stale-{os.getpid()}"))
                 os.remove(self.path.with_name(f"lock.stale-{os.getpid()}"))
@@ -409,6 +505,77 @@ def _start_time(pid: int) -> str | None:
             return "alive"
         except ProcessLookupError:
             return None
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (eval rows carry eval_loss), as
+    of the checkpoint the run continues from; optionally TensorBoard too. Only process 0 writes."""
+
+    def __init__(self, run_dir: Path, lead: bool, tensorboard: bool):
+        self.path, self.lead, self.tensorboard, self.file, self.tb = (
+            run_dir / "metrics.jsonl",
+            lead,
+            tensorboard,
+            None,
+            None,
+        )
+
+    def rewind(self, step: int, keep_eval: bool = True) -> None:
+        """Drop the rows past `step` (the steps about to be taken again) and, unless keep_eval, step `step`'s
+        eval row: atomically, the old file kept until the new one is complete. A torn last line goes too."""
+        if not self.lead or not self.path.exists():
+            return
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if row["step"] < step or row["step"] == step and ("eval_loss" not in row or keep_eval):
+                rows.append(line + "\n")
+        data.write_atomic(self.path, "".join(rows))
+
+    def write(self, row: dict) -> None:
+        if not self.lead:
+            return
+        if self.file is None:
+            self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
+            if self.tensorboard:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.path.parent / "tb"))
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        for k, v in row.items() if self.tb else ():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        for f in (self.file, self.tb):
+            if f is not None:
+                f.close()
+
+
+def plot_losses(run_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=0.8)
+    if held:
+        ax.plot(*zip(*held), "o-", label="held-out loss")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run_dir.name}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=120)
+    plt.close(fig)
 
 
 class CheckpointError(OSError):
@@ -462,7 +629,9 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         if keep_last < 2:
-            raise ValueError(f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write")
+            raise ValueError(
+                f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write"
+            )
         self.ocp, self.read_only, self.saving = ocp, read_only, None
         self.dir = Path(run_dir).absolute() / "checkpoints"
         self.quarantine = self.dir.parent / "quarantined"
@@ -477,15 +646,25 @@ class Checkpoints:
         except OSError as e:
             raise OSError(f"checkpoint directory {self.dir} is not writable: {e}") from e
         _orbax_detail_to(None if read_only or jax.process_index() else self.dir.parent / "log.txt")
-        self.options = ocp.CheckpointManagerOptions(read_only=True) if read_only else ocp.CheckpointManagerOptions(
-            max_to_keep=keep_last, keep_period=keep_every or None, enable_async_checkpointing=True,
-            cleanup_tmp_directories=True)  # an interrupted save's temporary folder is removed, never used
+        self.options = (
+            ocp.CheckpointManagerOptions(read_only=True)
+            if read_only
+            else ocp.CheckpointManagerOptions(
+                max_to_keep=keep_last,
+                keep_period=keep_every or None,
+                enable_async_checkpointing=True,
+                cleanup_tmp_directories=True,
+            )
+        )  # an interrupted save's temporary folder is removed, never used
         self._open()
 
     def _open(self):
         ocp = self.ocp  # handlers named up front, so a fresh process can read metadata before any restore
-        handlers = {"model": ocp.StandardCheckpointHandler(), "train": ocp.StandardCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
+        handlers = {
+            "model": ocp.StandardCheckpointHandler(),
+            "train": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        }
         self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=self.options)
 
     def steps(self) -> list[int]:
@@ -501,11 +680,21 @@ class Checkpoints:
         items = {"model": eqx.filter(model, eqx.is_array)}
         if train is not None:
             items["train"] = eqx.filter(train, eqx.is_array)
-        meta = dict(meta or {}, step=step, time=time.time(), checksums={k: _checksum_table(v) for k, v in items.items()})
+        meta = dict(
+            meta or {},
+            step=step,
+            time=time.time(),
+            checksums={k: _checksum_table(v) for k, v in items.items()},
+        )
         self.saving = step
         try:
-            self.manager.save(step, force=True, args=ocp.args.Composite(
-                meta=ocp.args.JsonSave(meta), **{k: ocp.args.StandardSave(v) for k, v in items.items()}))
+            self.manager.save(
+                step,
+                force=True,
+                args=ocp.args.Composite(
+                    meta=ocp.args.JsonSave(meta), **{k: ocp.args.StandardSave(v) for k, v in items.items()}
+                ),
+            )
         except Exception as e:
             self._failed(e)
 
@@ -533,7 +722,9 @@ class Checkpoints:
             for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(tmp, ignore_errors=True)
         self._log(f"saving checkpoint {step} failed", e)
-        raise CheckpointError(f"saving checkpoint {step} to {self.dir / str(step)} failed: {_cause(e)}") from e
+        raise CheckpointError(
+            f"saving checkpoint {step} to {self.dir / str(step)} failed: {_cause(e)}"
+        ) from e
 
     def close(self, failing: bool = False) -> None:
         """Finish the background save and let go of the directory. `failing`: the run is already stopping
@@ -554,11 +745,15 @@ class Checkpoints:
         import traceback
 
         with open(self.dir.parent / "log.txt", "a") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{''.join(traceback.format_exception(e))}\n")
+            f.write(
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{''.join(traceback.format_exception(e))}\n"
+            )
 
     def read_meta(self, step: int) -> dict:
         try:
-            return self.manager.restore(step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())).meta
+            return self.manager.restore(
+                step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())
+            ).meta
         except Exception as e:
             raise CorruptCheckpoint(f"meta unreadable: {_cause(e)}") from e
 
@@ -578,11 +773,14 @@ class Checkpoints:
             like = wanted[k]
             if like is None:
                 one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-                like = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), metadata[k].tree)
+                like = jax.tree.map(
+                    lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), metadata[k].tree
+                )
             abstract[k] = jax.tree.map(_abstract, eqx.filter(like, is_array))
         try:
-            got = self.manager.restore(step, args=ocp.args.Composite(
-                **{k: ocp.args.StandardRestore(v) for k, v in abstract.items()}))
+            got = self.manager.restore(
+                step, args=ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in abstract.items()})
+            )
         except Exception as e:
             raise CorruptCheckpoint(f"arrays unreadable: {_cause(e)}") from e
         for k in stored:
@@ -609,8 +807,11 @@ class Checkpoints:
 
     def set_aside(self, step: int, error: "CorruptCheckpoint") -> None:
         target = self.quarantine / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        print(f"checkpoint {self.dir / str(step)} is corrupt ({error}); moved to {target} (details in "
-              f"{self.dir.parent / 'log.txt'}), falling back to the one before it", file=sys.stderr)
+        print(
+            f"checkpoint {self.dir / str(step)} is corrupt ({error}); moved to {target} (details in "
+            f"{self.dir.parent / 'log.txt'}), falling back to the one before it",
+            file=sys.stderr,
+        )
         self._log(f"checkpoint {step} is corrupt", error)
         if jax.process_index() == 0:  # every process found the same fault (the checksums are global)
             self.quarantine.mkdir(exist_ok=True)
@@ -630,7 +831,31 @@ def _abstract_model(cfg: Olmo3Config):
     """The model's structure with every array abstract and placed on this process's first device."""
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0))
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) if is_array(x) else x, model)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) if is_array(x) else x, model
+    )
+
+
+class Preemption:
+    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
+    (Orbax commits by rename, so the last committed checkpoint is never harmed). With several processes,
+    JAX's preemption service tells every process the same step instead (a Python handler here would
+    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
+
+    def __init__(self):
+        self.signals = 0
+        if jax.process_count() == 1:
+            signal.signal(signal.SIGTERM, self.on_signal)
+            signal.signal(signal.SIGINT, self.on_signal)
+
+    def on_signal(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            os._exit(128 + signum)
+        print(f"\nsignal {signum}: saving at the next step boundary, then exiting", flush=True)
+
+    def requested(self, step: int, checkpoints: Checkpoints) -> bool:
+        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -647,7 +872,9 @@ def list_checkpoints(run_dir) -> list[dict]:
     rows = []
     try:
         for step in ckpts.steps():
-            row = dict(step=step, size=_directory_size(ckpts.dir / str(step)), time=None, valid=True, problem="")
+            row = dict(
+                step=step, size=_directory_size(ckpts.dir / str(step)), time=None, valid=True, problem=""
+            )
             try:
                 _, _, meta = ckpts.read(step)
                 row["time"] = meta.get("time")
@@ -659,15 +886,19 @@ def list_checkpoints(run_dir) -> list[dict]:
     return rows
 
 
-def export_hf(run_dir, out, step: int | None = None, dtype: str = "float32", tokenizer: str | None = None) -> int:
+def export_hf(
+    run_dir, out, step: int | None = None, dtype: str = "float32", tokenizer: str | None = None
+) -> int:
     """Write the newest valid checkpoint of a run (or `step`) as an HF directory with its tokenizer (the
     run's, or `tokenizer`: dolma2, tiny, none or a tokenizer.json); returns its step. Reads the run only."""
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
         candidates = [step] if step is not None else list(reversed(ckpts.steps()))
         if not candidates or (step is not None and step not in ckpts.steps()):
-            raise FileNotFoundError(f"{ckpts.dir} has no checkpoint{f' at step {step}' if step is not None else ''}"
-                                    f" (steps: {ckpts.steps()})")
+            raise FileNotFoundError(
+                f"{ckpts.dir} has no checkpoint{f' at step {step}' if step is not None else ''}"
+                f" (steps: {ckpts.steps()})"
+            )
         for s in candidates:
             try:
                 meta = ckpts.read_meta(s)
@@ -689,9 +920,9 @@ def export_hf(run_dir, out, step: int | None = None, dtype: str = "float32", tok
 def _tokenizer_files(run_dir: Path, meta: dict, cfg: Olmo3Config, name: str | None) -> dict[str, str]:
     """The tokenizer to ship with an export: asked for, or the run's (train.py keeps the tiny one's
     tokenizer.json in the run directory), or dolma2 for a model of its vocabulary."""
-    import data
-
-    name = name or meta.get("config", {}).get("tokenizer") or ("dolma2" if cfg.vocab_size == 100_278 else "none")
+    name = (
+        name or meta.get("config", {}).get("tokenizer") or ("dolma2" if cfg.vocab_size == 100_278 else "none")
+    )
     if name == "none":
         return {}
     if name == "tiny" and (run_dir / "tokenizer.json").exists():
@@ -705,8 +936,10 @@ def preset_of(cfg: Olmo3Config) -> str | None:
     """The olmo3.PRESETS name whose model `cfg` is (token ids and max length aside), if any."""
     from olmo3 import PRESETS
 
-    same = lambda a, b: dataclasses.replace(a, max_seq_len=0, eos_token_id=0, pad_token_id=0) == dataclasses.replace(
-        b, max_seq_len=0, eos_token_id=0, pad_token_id=0)
+    same = lambda a, b: (
+        dataclasses.replace(a, max_seq_len=0, eos_token_id=0, pad_token_id=0)
+        == dataclasses.replace(b, max_seq_len=0, eos_token_id=0, pad_token_id=0)
+    )
     return next((name for name, preset in PRESETS.items() if same(preset, cfg)), None)
 
 
@@ -717,9 +950,12 @@ def import_hf(hf_dir, run_dir) -> Olmo3Config:
         ckpts = Checkpoints(run_dir)
         try:
             if ckpts.steps():
-                raise FileExistsError(f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run "
-                                      "directory")
-            ckpts.save(0, model, meta={"model": config_to_hf(model.cfg), "source": str(Path(hf_dir).absolute())})
+                raise FileExistsError(
+                    f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory"
+                )
+            ckpts.save(
+                0, model, meta={"model": config_to_hf(model.cfg), "source": str(Path(hf_dir).absolute())}
+            )
         finally:
             ckpts.close()
     return model.cfg
@@ -735,14 +971,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("out")
     p.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--tokenizer", default=None, help="dolma2, tiny, none or a tokenizer.json; default: the run's")
+    p.add_argument(
+        "--tokenizer", default=None, help="dolma2, tiny, none or a tokenizer.json; default: the run's"
+    )
     p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
     args = parser.parse_args(argv)
     try:
         return run_command(args)
-    except (OSError, ValueError, CorruptCheckpoint, RunDirBusy) as e:  # the message names the path and the fix
+    except (
+        OSError,
+        ValueError,
+        CorruptCheckpoint,
+        RunDirBusy,
+    ) as e:  # the message names the path and the fix
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -753,7 +996,9 @@ def run_command(args) -> int:
         print(f"{'step':>10}  {'size':>10}  {'saved':<19}  valid")
         for r in rows:
             saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r["time"] else "?"
-            print(f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}")
+            print(
+                f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}"
+            )
         if not rows:
             print(f"no checkpoints in {Path(args.run_dir) / 'checkpoints'}")
         return 0 if all(r["valid"] for r in rows) else 1
@@ -763,8 +1008,11 @@ def run_command(args) -> int:
         return 0
     cfg = import_hf(args.hf_dir, args.run_dir)
     preset = preset_of(cfg)
-    hint = (f"python train.py --preset {preset} --run_dir {args.run_dir} --data YOUR_TOKEN_FILES" if preset else
-            "no preset of train.py has this model's shape; add one to olmo3.PRESETS and train.PRESETS")
+    hint = (
+        f"python train.py --preset {preset} --run_dir {args.run_dir} --data YOUR_TOKEN_FILES"
+        if preset
+        else "no preset of train.py has this model's shape; add one to olmo3.PRESETS and train.PRESETS"
+    )
     print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with:\n  {hint}")
     return 0
 

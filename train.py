@@ -18,12 +18,12 @@ import collections
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import math
 import os
 import re
-import signal
 import sys
 import time
 import warnings
@@ -46,81 +46,105 @@ import shard
 # Config
 
 
-def recipe(default):
-    """A field of the recipe: it changes the numbers a run computes, so a resume must match it (or be
-    told --allow_config_change). Unmarked fields (mesh, microbatch, intervals, ...) may change freely."""
-    return dataclasses.field(default=default, metadata={"recipe": True})
+def flag(default, recipe=False, low=None, above=None, high=None, choices=None):
+    """A TrainConfig field and what `check` accepts for it: at least `low`, more than `above`, at most
+    `high`, one of `choices`. A recipe field changes the numbers a run computes, so a resume must match it
+    (or be given --allow_config_change); the others (mesh, microbatch, intervals) may change freely."""
+    return dataclasses.field(
+        default=default, metadata=dict(recipe=recipe, low=low, above=above, high=high, choices=choices)
+    )
+
+
+def recipe(default, **accepts):
+    return flag(default, recipe=True, **accepts)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
-    head_layout: str = recipe("")  # e.g. 16x256: other heads x head_dim, same width; a new model (from scratch)
+    head_layout: str = recipe(
+        ""
+    )  # e.g. 16x256: other heads x head_dim, same width; a new model (from scratch)
     # data
     data: str = ""  # token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"
     data_root: str = ""  # prefix for relative paths in a mix file (a gcsfuse-mounted bucket is a local path)
     eval_data: str = ""  # held-out token files, read in order
-    tokenizer: str = "dolma2"  # dolma2 | tiny: for samples, token-id checks and the HF export
-    seq_len: int = recipe(8192)
-    global_batch: int = recipe(512)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
+    tokenizer: str = flag("dolma2", choices=("dolma2", "tiny"))  # for samples, id checks and the HF export
+    seq_len: int = recipe(8192, low=2)
+    global_batch: int = recipe(512, low=1)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
     seed: int = recipe(34521)  # data order: OLMo-core's PCG64(seed + epoch) permutation
     init_seed: int = recipe(0)  # model init (torch's init cannot be reproduced bit for bit: --init_from_hf)
     # optimizer: OLMo-core's SkipStepAdamW
-    lr: float = recipe(3e-4)  # peak learning rate
-    warmup_steps: int = recipe(2000)  # linear from 0
-    lr_horizon: int = recipe(1_192_093)  # cosine length in steps: ceil(5e12 tokens / 4,194,304)
-    lr_final: float = recipe(0.1)  # the cosine ends at lr * lr_final
-    steps: int = recipe(597_046)  # part 1 of stage 1 stops here (mid-cosine), as the official run did
-    beta1: float = recipe(0.9)
-    beta2: float = recipe(0.95)
-    eps: float = recipe(1e-8)
-    weight_decay: float = recipe(0.1)  # decoupled, scaled by the current lr; embeddings exempt
-    clip: float = recipe(1.0)  # global grad-norm clipping
-    skip_sigma: float = recipe(6.0)  # skip the update if loss or grad norm is this many std above the mean
-    skip_window: int = recipe(128)  # ... of this many previous steps, once half as many are known
-    z_loss: float = recipe(1e-5)
-    loss: str = "fused"  # fused (LM head + loss a chunk at a time) | reference (plain autodiff); same maths
+    lr: float = recipe(3e-4, above=0)  # peak learning rate
+    warmup_steps: int = recipe(2000, low=0)  # linear from 0
+    lr_horizon: int = recipe(1_192_093, low=1)  # cosine length in steps: ceil(5e12 tokens / 4,194,304)
+    lr_final: float = recipe(0.1, low=0, high=1)  # the cosine ends at lr * lr_final
+    steps: int = recipe(597_046, low=1)  # part 1 of stage 1 stops here (mid-cosine), as the official run did
+    beta1: float = recipe(0.9, low=0, high=1)
+    beta2: float = recipe(0.95, low=0, high=1)
+    eps: float = recipe(1e-8, above=0)
+    weight_decay: float = recipe(0.1, low=0)  # decoupled, scaled by the current lr; embeddings exempt
+    clip: float = recipe(1.0, above=0)  # global grad-norm clipping
+    skip_sigma: float = recipe(
+        6.0, above=0
+    )  # skip the update if loss or grad norm is this many std above ...
+    skip_window: int = recipe(128, low=2)  # ... the mean of this many previous steps, once half are known
+    z_loss: float = recipe(1e-5, low=0)
+    loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
     compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
-    microbatch: int = 0  # instances per device per forward/backward; 0 = the device's whole share
-    loss_chunk: int = 0  # positions of each instance per chunk of the fused loss; 0 = the whole sequence
+    microbatch: int = flag(0, low=0)  # instances per device per forward/backward; 0 = the device's share
+    loss_chunk: int = flag(0, low=0)  # positions per chunk of the fused loss; 0 = the whole sequence
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
     mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,tensor=1; one axis may be -1 ("the rest")
     # run
     run_dir: str = "runs/7b"
-    ckpt_every: int = 1000
-    keep_last: int = 2  # recent checkpoints kept (at least 2: the newest may be mid-write)
-    keep_every: int = 0  # also keep every step divisible by this, forever; 0 = none
-    eval_every: int = 1000
-    eval_batches: int = 16
+    ckpt_every: int = flag(1000, low=1)
+    keep_last: int = flag(2, low=2)  # recent checkpoints kept (at least 2: the newest may be mid-write)
+    keep_every: int = flag(0, low=0)  # also keep every step divisible by this, forever; 0 = none
+    eval_every: int = flag(1000, low=1)
+    eval_batches: int = flag(16, low=1)
     init_from_hf: str = ""  # start from released weights (e.g. AI2's stage1-step0) instead of random init
     eval_only: bool = False  # evaluate the latest checkpoint (or --init_from_hf) and exit
     dry_run: bool = False  # compile one step for the mesh, print memory per device and FLOPs, exit
     topology: str = ""  # with --dry_run: compile for a TPU slice (v5p-512, v6e:16x16) or GPU host (h200x8)
-    num_slices: int = 1  # with --topology: that many slices (or GPU hosts), joined by the data-centre network
+    num_slices: int = flag(1, low=1)  # with --topology: that many slices (or GPU hosts), joined by DCN
     allow_config_change: bool = False  # resume although the recipe changed (e.g. more steps, a new schedule)
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
-    samples: int = 0  # lines of text to sample at the end
+    samples: int = flag(0, low=0)  # lines of text to sample at the end
     coordinator: str = ""  # multi-host outside TPU VMs / known clusters: host:port of process 0
-    num_processes: int = 0
-    process_id: int = -1
-    heartbeat_timeout: int = 100  # seconds a process may go silent before the others stop (multi-host)
+    num_processes: int = flag(0, low=0)
+    process_id: int = flag(-1, low=-1)
+    heartbeat_timeout: int = flag(100, low=1)  # seconds a process may go silent before the others stop
 
 
 # The official stage-1 recipe is the default above; the smaller presets scale it down.
 PRESETS = {
     "tiny": TrainConfig(
-        preset="tiny", data="tiny", tokenizer="tiny", seq_len=256, global_batch=8, lr=2e-3, warmup_steps=20,
-        lr_horizon=240, steps=240, compute=olmo3.Compute(dtype="float32", attention="auto"), mesh="data=1",
-        run_dir="runs/tiny", ckpt_every=120, eval_every=60, eval_batches=8, samples=3),
-    "190m": TrainConfig(preset="190m", lr=4e-4, warmup_steps=2000, lr_horizon=40_000, steps=40_000,
-                        global_batch=256, seq_len=4096, run_dir="runs/190m"),
-    "1b": TrainConfig(preset="1b", lr=4e-4, lr_horizon=100_000, steps=100_000, global_batch=512,
-                      seq_len=4096, run_dir="runs/1b"),
+        preset="tiny",
+        data="tiny",
+        tokenizer="tiny",
+        seq_len=256,
+        global_batch=8,
+        lr=2e-3,
+        warmup_steps=20,
+        lr_horizon=240,
+        steps=240,
+        compute=olmo3.Compute(dtype="float32", attention="auto"),
+        mesh="data=1",
+        run_dir="runs/tiny",
+        ckpt_every=120,
+        eval_every=60,
+        eval_batches=8,
+        samples=3,
+    ),
+    "190m": TrainConfig(
+        "190m", lr=4e-4, lr_horizon=40_000, steps=40_000, global_batch=256, seq_len=4096, run_dir="runs/190m"
+    ),
+    "1b": TrainConfig("1b", lr=4e-4, lr_horizon=100_000, steps=100_000, seq_len=4096, run_dir="runs/1b"),
     "7b": TrainConfig(),
-    "32b": TrainConfig(preset="32b", lr=6e-4, global_batch=1024, run_dir="runs/32b"),
+    "32b": TrainConfig("32b", lr=6e-4, global_batch=1024, run_dir="runs/32b"),
 }
-
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
 
@@ -128,14 +152,12 @@ class FlagError(ValueError):
     """Bad usage: train.py prints it as one line and exits with code 2."""
 
 
-def flags() -> dict[str, tuple[type, str]]:
-    """Every flag: (type, the comment its field carries in the source). Compute's fields are flags too."""
+def flags() -> dict[str, tuple[dataclasses.Field, str]]:
+    """Every flag: its field and the comment that field carries in the source. Compute's fields are flags."""
     out = {}
     for cls in (TrainConfig, olmo3.Compute):
         comments = dict(re.findall(r"^\s+(\w+): [^=]+=.*?  # (.*)$", inspect.getsource(cls), re.MULTILINE))
-        for f in dataclasses.fields(cls):
-            if f.name != "compute":
-                out[f.name] = (f.type, comments.get(f.name, ""))
+        out |= {f.name: (f, comments.get(f.name, "")) for f in dataclasses.fields(cls) if f.name != "compute"}
     return out
 
 
@@ -145,78 +167,78 @@ def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
     return dataclasses.replace(cfg, **{name: value})
 
 
-def help_text() -> str:
-    base = PRESETS["7b"]
-    rows = [f"  --{name:<20} {getattr(base.compute if hasattr(base.compute, name) else base, name)!r:<14} {doc}"
-            for name, (_, doc) in flags().items()]
-    return ("usage: python train.py [--preset NAME] [--FLAG VALUE ...]\n\n--preset picks the model and the recipe "
-            f"({', '.join(PRESETS)}); each flag then overrides one field. Defaults (the 7b preset):\n"
-            + "\n".join(rows))
+def value_of(cfg: TrainConfig, name: str):
+    return getattr(cfg.compute if name in olmo3.Compute.__dataclass_fields__ else cfg, name)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """`--preset NAME` picks the base; every other flag then sets one field. Checked by `check` before use."""
-    if {"-h", "--help"} & set(argv):
-        print(help_text())
-        raise SystemExit(0)
     known, pairs, i = flags(), [], 0
+    if {"-h", "--help"} & set(argv):
+        print(
+            f"usage: python train.py [--preset {'|'.join(PRESETS)}] [--FLAG VALUE ...]; each flag sets one "
+            "field of the preset. Flags and the 7b preset's values:"
+        )
+        print(
+            "\n".join(
+                f"  --{k:<20} {value_of(PRESETS['7b'], k)!r:<14} {doc}" for k, (_, doc) in known.items()
+            )
+        )
+        raise SystemExit(0)
     while i < len(argv):
         name, eq, value = argv[i].removeprefix("--").partition("=")
-        if not argv[i].startswith("--"):
-            raise FlagError(f"unexpected argument {argv[i]!r}; flags look like --field value (see --help)")
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=3)
-            raise FlagError(f"unknown flag --{name}" + (f"; did you mean {', '.join('--' + c for c in close)}?"
-                                                          if close else "; see --help"))
+        if not argv[i].startswith("--") or name not in known:
+            close = ", ".join("--" + c for c in difflib.get_close_matches(name, known, n=3))
+            raise FlagError(
+                f"unknown flag {argv[i]}" + (f"; did you mean {close}?" if close else "; see --help")
+            )
         if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             value, i = argv[i + 1], i + 1
-        elif not eq and known[name][0] is bool:
-            value = "true"
-        elif not eq:
+        elif not eq and known[name][0].type is not bool:
             raise FlagError(f"--{name} needs a value")
-        pairs.append((name, value))
+        pairs.append((name, value if eq or value else "true"))
         i += 1
-    preset = dict(pairs).get("preset", "7b")
-    if preset not in PRESETS:
-        raise FlagError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
-    cfg = PRESETS[preset]
+    cfg = PRESETS.get(dict(pairs).get("preset", "7b"))
+    if cfg is None:
+        raise FlagError(f"--preset {dict(pairs)['preset']!r}: expected one of {', '.join(PRESETS)}")
     for name, value in pairs:
-        kind = known[name][0]
-        if kind is bool and value.lower() not in ("true", "false", "1", "0"):
-            raise FlagError(f"--{name} {value!r}: expected true or false")
+        kind = known[name][0].type
         try:
-            typed = value.lower() in ("true", "1") if kind is bool else kind(value)
-        except ValueError:
-            raise FlagError(f"--{name} {value!r}: expected {kind.__name__}") from None
-        try:
-            cfg = with_flag(cfg, name, typed)
-        except ValueError as e:  # olmo3.Compute refuses its own bad values
-            raise FlagError(str(e)) from None
+            if kind is bool and value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError("expected true or false")
+            cfg = with_flag(cfg, name, value.lower() in ("true", "1") if kind is bool else kind(value))
+        except ValueError as e:  # a value of the wrong type, or one olmo3.Compute refuses
+            raise FlagError(
+                str(e)
+                if str(e).startswith("--")
+                else f"--{name} {value!r}: expected {'true or false' if kind is bool else kind.__name__}"
+            ) from None
     return cfg
 
 
 def check(cfg: TrainConfig) -> None:
     """Refuse nonsense before anything is compiled or written: FlagError names the flag, the value and what
     would be accepted."""
-    at_least = {"steps": 1, "seq_len": 2, "global_batch": 1, "warmup_steps": 0, "lr_horizon": 1,
-                "skip_window": 2, "microbatch": 0, "loss_chunk": 0, "ckpt_every": 1, "keep_last": 2,
-                "keep_every": 0, "eval_every": 1, "eval_batches": 1, "samples": 0, "num_slices": 1,
-                "num_processes": 0, "process_id": -1, "heartbeat_timeout": 1}
-    for name, low in at_least.items():
-        if getattr(cfg, name) < low:
-            raise FlagError(f"--{name} {getattr(cfg, name)}: expected an integer >= {low}")
-    for name, low, high in [("lr", 0, math.inf), ("lr_final", 0, 1), ("beta1", 0, 1), ("beta2", 0, 1),
-                            ("eps", 0, 1), ("weight_decay", 0, math.inf), ("clip", 0, math.inf),
-                            ("skip_sigma", 0, math.inf), ("z_loss", 0, math.inf)]:
-        value, open_low = getattr(cfg, name), name in ("lr", "eps", "clip", "skip_sigma")
-        if not (low < value if open_low else low <= value) or not value <= high or math.isnan(value):
-            raise FlagError(f"--{name} {value}: expected a number in {'(' if open_low else '['}{low}, {high}]")
+    for name, (field, _) in flags().items():
+        value, m = value_of(cfg, name), field.metadata
+        bounds = [
+            (op, m.get(key))
+            for key, op in [("low", ">="), ("above", ">"), ("high", "<=")]
+            if m.get(key) is not None
+        ]
+        if not all(
+            {">=": value >= bound, ">": value > bound, "<=": value <= bound}[op] for op, bound in bounds
+        ):
+            kind = "an integer" if field.type is int else "a number"
+            raise FlagError(
+                f"--{name} {value}: expected {kind} " + " and ".join(f"{op} {b}" for op, b in bounds)
+            )
+        if m.get("choices") and value not in m["choices"]:
+            raise FlagError(f"--{name} {value!r}: expected one of {', '.join(m['choices'])}")
     if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
-        raise FlagError(f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)")
-    choices = {"loss": ("fused", "reference"), "tokenizer": ("dolma2", "tiny")}
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            raise FlagError(f"--{name} {getattr(cfg, name)!r}: expected one of {', '.join(allowed)}")
+        raise FlagError(
+            f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
+        )
     if cfg.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", cfg.head_layout):
         raise FlagError(f"--head_layout {cfg.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
     model_config(cfg)  # the head layout must fit the preset's width
@@ -227,13 +249,11 @@ def check(cfg: TrainConfig) -> None:
     if cfg.dry_run and cfg.eval_only:
         raise FlagError("--dry_run and --eval_only: choose one")
     if cfg.init_from_hf and not (Path(cfg.init_from_hf) / "config.json").is_file():
-        raise FlagError(f"--init_from_hf {cfg.init_from_hf}: no config.json there; expected a Hugging Face "
-                        "model directory")
-    if cfg.tensorboard and not cfg.dry_run:
-        try:
-            import tensorboardX  # noqa: F401
-        except ImportError:
-            raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'") from None
+        raise FlagError(
+            f"--init_from_hf {cfg.init_from_hf}: no config.json there; expected an HF model directory"
+        )
+    if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
+        raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
     try:
         shard.parse_mesh(cfg.mesh, None)
     except ValueError as e:
@@ -272,7 +292,9 @@ class OptState(eqx.Module):
 def init_opt(params: olmo3.Olmo3, cfg: TrainConfig) -> OptState:
     zeros = lambda: jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
     window = lambda: jnp.zeros(cfg.skip_window, jnp.float32)
-    return OptState(jnp.zeros((), jnp.float32), zeros(), zeros(), window(), window(), jnp.zeros((), jnp.int32))
+    return OptState(
+        jnp.zeros((), jnp.float32), zeros(), zeros(), window(), window(), jnp.zeros((), jnp.int32)
+    )
 
 
 def is_spike(history, seen, x, cfg: TrainConfig):
@@ -288,8 +310,11 @@ def is_spike(history, seen, x, cfg: TrainConfig):
 def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: TrainConfig):
     skip = is_spike(opt.losses, opt.seen, ce_loss, cfg) | is_spike(opt.grad_norms, opt.seen, grad_norm, cfg)
     slot = opt.seen % cfg.skip_window
-    window = dict(losses=opt.losses.at[slot].set(ce_loss), grad_norms=opt.grad_norms.at[slot].set(grad_norm),
-                  seen=opt.seen + 1)
+    window = dict(
+        losses=opt.losses.at[slot].set(ce_loss),
+        grad_norms=opt.grad_norms.at[slot].set(grad_norm),
+        seen=opt.seen + 1,
+    )
 
     # Clip by global norm as torch's clip_grads_with_norm_ does.
     grads = jax.tree.map(lambda g: g * jnp.minimum(cfg.clip / (grad_norm + 1e-6), 1.0), grads)
@@ -299,8 +324,13 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
     mu = jax.tree.map(lambda m, g: cfg.beta1 * m + (1 - cfg.beta1) * g, opt.mu, grads)
     nu = jax.tree.map(lambda v, g: cfg.beta2 * v + (1 - cfg.beta2) * g * g, opt.nu, grads)
     decay = eqx.tree_at(lambda p: p.embed_tokens, jax.tree.map(lambda _: cfg.weight_decay, params), 0.0)
-    new = jax.tree.map(lambda p, m, v, wd: p * (1 - lr * wd) - step_size * m / (jnp.sqrt(v) / bias2 + cfg.eps),
-                       params, mu, nu, decay)
+    new = jax.tree.map(
+        lambda p, m, v, wd: p * (1 - lr * wd) - step_size * m / (jnp.sqrt(v) / bias2 + cfg.eps),
+        params,
+        mu,
+        nu,
+        decay,
+    )
 
     # A skipped step keeps the old values exactly (a select, not a multiply by 0, so a NaN cannot leak in).
     keep = lambda old, upd: jax.tree.map(lambda o, u: jnp.where(skip, o, u), old, upd)
@@ -331,15 +361,21 @@ def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], targe
     return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
 
 
-def reference_lm_head_loss(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"],
-                           targets: Int[Array, "batch seq"]):
+def reference_lm_head_loss(
+    x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"], targets: Int[Array, "batch seq"]
+):
     """(CE sum, logsumexp^2 sum) from the whole batch's logits; autodiff gives the gradients."""
     logits_BxSxV = olmo3.linear(x, w, out_dtype=jnp.float32)
     return loss_sums(logits_BxSxV, targets, jnp.arange(x.shape[1]) < x.shape[1] - 1)
 
 
-def lm_head_chunks(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"],
-                   targets: Int[Array, "batch seq"], chunk: int, cotangent=None):
+def lm_head_chunks(
+    x: Float[Array, "batch seq embed"],
+    w: Float[Array, "embed vocab"],
+    targets: Int[Array, "batch seq"],
+    chunk: int,
+    cotangent=None,
+):
     """(CE sum, logsumexp^2 sum) over the targeted positions, `chunk` positions of every instance at a time;
     given the cotangent of those two sums, also their gradients with respect to x and w."""
     batch, seq, d = x.shape
@@ -357,12 +393,14 @@ def lm_head_chunks(x: Float[Array, "batch seq embed"], w: Float[Array, "embed vo
         (g_BxCxV,) = vjp(cotangent)
         g_BxCxV = g_BxCxV.astype(x.dtype)
         dx_BxCxD = olmo3.linear(g_BxCxV, w.T)
-        dw_DxV += jnp.matmul(x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]),
-                             preferred_element_type=jnp.float32)
+        dw_DxV += jnp.matmul(
+            x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]), preferred_element_type=jnp.float32
+        )
         return dw_DxV, (sums, dx_BxCxD)
 
-    dw, ((ce, zz), dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32),
-                                      (by_chunk(x), by_chunk(targets), position))
+    dw, ((ce, zz), dx) = jax.lax.scan(
+        one, jnp.zeros(w.shape, jnp.float32), (by_chunk(x), by_chunk(targets), position)
+    )
     sums = (ce.sum(), zz.sum())
     if cotangent is None:
         return sums
@@ -384,7 +422,9 @@ def _fused_fwd(x, w, targets, chunk, z_loss, scale):
 
 def _fused_bwd(chunk, z_loss, scale, grads, cotangents):
     dx, dw = grads
-    g = cotangents[0]  # the loss is linear in the sums: its gradients are the forward's times g (1 for a loss)
+    g = cotangents[
+        0
+    ]  # the loss is linear in the sums: its gradients are the forward's times g (1 for a loss)
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
 
 
@@ -474,10 +514,13 @@ def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olm
         # released 32 x 128 weights do not load into it.
         heads, head_dim = map(int, cfg.head_layout.split("x"))
         if heads * head_dim != m.n_heads * m.head_dim or heads % (m.n_heads // m.n_kv_heads):
-            raise FlagError(f"--head_layout {cfg.head_layout}: expected heads x head_dim = "
-                            f"{m.n_heads * m.head_dim} with heads a multiple of {m.n_heads // m.n_kv_heads}")
-        m = dataclasses.replace(m, n_heads=heads, head_dim=head_dim,
-                                n_kv_heads=heads // (m.n_heads // m.n_kv_heads))
+            raise FlagError(
+                f"--head_layout {cfg.head_layout}: expected heads x head_dim = "
+                f"{m.n_heads * m.head_dim} with heads a multiple of {m.n_heads // m.n_kv_heads}"
+            )
+        m = dataclasses.replace(
+            m, n_heads=heads, head_dim=head_dim, n_kv_heads=heads // (m.n_heads // m.n_kv_heads)
+        )
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
 
 
@@ -492,22 +535,12 @@ def microbatches(cfg: TrainConfig, mesh) -> int:
     per_device = cfg.global_batch // n_shards
     microbatch = cfg.microbatch or per_device
     if cfg.global_batch % n_shards or microbatch == 0 or per_device % microbatch:
-        raise FlagError(f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
-                        f"devices of --mesh {cfg.mesh} whose {per_device} rows per device divide into "
-                        f"--microbatch {microbatch}")
+        raise FlagError(
+            f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
+            f"devices of --mesh {cfg.mesh} whose {per_device} rows per device divide into "
+            f"--microbatch {microbatch}"
+        )
     return per_device // microbatch
-
-
-# Dense bf16 peak FLOP/s per chip (datasheets; TPU7x is Ironwood, whose two devices per chip share it).
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
-              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "TPU7x": 2307e12 / 2, "TPU v7": 2307e12 / 2,
-              "A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}
-
-
-def peak_flops(device) -> float | None:
-    """The device's peak, or None where there is no meaningful MFU (CPU, unknown chips)."""
-    kind = device.device_kind
-    return next((v for k, v in sorted(PEAK_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in kind), None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -528,7 +561,9 @@ def start_devices(cfg: TrainConfig):
     # By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a varying order, and
     # two runs of the same step drift apart; CPU and TPU steps are bitwise repeatable as they are.
     if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+        os.environ["XLA_FLAGS"] = (
+            f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+        )
     target = None
     if cfg.topology:
         jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
@@ -544,14 +579,18 @@ def start_devices(cfg: TrainConfig):
 def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute) -> None:
     device = mesh.devices.flat[0]
     n_params = olmo3.count_params(eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0)))
-    peak = peak_flops(device)
+    peak = shard.peak_flops(device)
     say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
-    say(f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, attention kernel "
+    say(
+        f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, attention kernel "
         f"{compute.attention!r} on {device.platform}, compute {compute.dtype}, remat {compute.remat}; mesh "
-        f"{dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes")
-    say(f"parameters: {n_params:,}; training FLOPs per token: {model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} G "
+        f"{dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes"
+    )
+    say(
+        f"parameters: {n_params:,}; training FLOPs per token: {model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} G "
         "(exact causal/sliding count); "
-        + (f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else f"no MFU on {device.device_kind}"))
+        + (f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else f"no MFU on {device.device_kind}")
+    )
 
 
 @dataclass
@@ -567,7 +606,7 @@ class Run:
     eval_loader: data.TokenLoader | None
     tokenizer_path: str | None
     checkpoints: ckpt.Checkpoints
-    log: "MetricsLog"
+    log: ckpt.MetricsLog
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
 
 
@@ -576,19 +615,27 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     batch s - 1."""
     run_dir = Path(cfg.run_dir)
     files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
-    kw = dict(seed=cfg.seed, dtype=data.dtype_for_vocab(model_cfg.vocab_size), vocab_size=model_cfg.vocab_size,
-              work_dir=run_dir / "data")
+    kw = dict(
+        seed=cfg.seed,
+        dtype=data.dtype_for_vocab(model_cfg.vocab_size),
+        vocab_size=model_cfg.vocab_size,
+        work_dir=run_dir / "data",
+    )
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
     if cfg.steps > loader.num_batches:
-        raise FlagError(f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
-                        f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that")
+        raise FlagError(
+            f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
+            f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
+        )
     eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
     if cfg.eval_only and eval_loader is None:
         raise FlagError("--eval_only needs held-out data: set --eval_data")
     checkpoints = ckpt.Checkpoints(run_dir, cfg.keep_last, cfg.keep_every)
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
-    log = MetricsLog(run_dir, jax.process_index() == 0, cfg.tensorboard)
-    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, checkpoints, log, meta)
+    log = ckpt.MetricsLog(run_dir, jax.process_index() == 0, cfg.tensorboard)
+    return Run(
+        cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, checkpoints, log, meta
+    )
 
 
 def restore_or_init(run: Run):
@@ -600,10 +647,13 @@ def restore_or_init(run: Run):
     model_sh, opt_sh = shard.shardings(abstract, mesh), shard.shardings(abstract_opt, mesh)
     shard.check_rules(abstract, mesh)
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
-    train_like = {"opt": shard.abstract(abstract_opt, opt_sh),
-                  "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))}
-    restored = run.checkpoints.restore_latest(shard.abstract(abstract, model_sh), train_like,
-                                              check=lambda meta: check_resume(meta, run.meta, cfg))
+    train_like = {
+        "opt": shard.abstract(abstract_opt, opt_sh),
+        "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh)),
+    }
+    restored = run.checkpoints.restore_latest(
+        shard.abstract(abstract, model_sh), train_like, check=lambda meta: check_resume(meta, run.meta, cfg)
+    )
     key = jax.random.key(cfg.init_seed)
     if restored:
         step, model, state, _ = restored
@@ -626,8 +676,10 @@ def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
     if meta.get("model") != expected["model"]:
         saved, now = meta.get("model", {}), expected["model"]
         diff = {k: (saved.get(k), now.get(k)) for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
-        raise FlagError(f"--run_dir {cfg.run_dir} holds another model shape ({diff}, as (saved, now)); "
-                        "use another --run_dir")
+        raise FlagError(
+            f"--run_dir {cfg.run_dir} holds another model shape ({diff}, as (saved, now)); "
+            "use another --run_dir"
+        )
     if "config" not in meta:  # written by `ckpt.py from-hf`: weights only, any recipe may start from them
         return
     saved, now = meta["config"], expected["config"]
@@ -640,9 +692,12 @@ def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
     except ValueError as e:
         changes.append(str(e))
     if changes and not cfg.allow_config_change:
-        raise FlagError(f"--run_dir {cfg.run_dir} was trained with another recipe: " + "; ".join(changes)
-                        + ". Pass --allow_config_change to resume anyway (e.g. to extend --steps), or use a "
-                        "new --run_dir")
+        raise FlagError(
+            f"--run_dir {cfg.run_dir} was trained with another recipe: "
+            + "; ".join(changes)
+            + ". Pass --allow_config_change to resume anyway (e.g. to extend --steps), or use a "
+            "new --run_dir"
+        )
 
 
 def take_step(run: Run, step: int, model, opt, batch):
@@ -660,7 +715,9 @@ class Progress:
     def __init__(self, start: int, steps: int, tokens_per_step: int):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True
+        )
         self.tokens_per_step, self.stamps, self.rate = tokens_per_step, collections.deque(maxlen=21), None
         self.start = time.perf_counter()
 
@@ -683,21 +740,30 @@ def log_step(run: Run, step: int, metrics: dict, wait: float, batch_hash: int, m
     metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
         saved = run.checkpoints.steps()
-        last = f"the last checkpoint is {run.checkpoints.dir / str(saved[-1])}" if saved else "no checkpoint yet"
-        raise FloatingPointError(f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; "
-                                 f"stopping ({last})")
+        last = (
+            f"the last checkpoint is {run.checkpoints.dir / str(saved[-1])}" if saved else "no checkpoint yet"
+        )
+        raise FloatingPointError(
+            f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; stopping ({last})"
+        )
     tps = meter.tick()
-    if jax.process_count() > 1:  # each process hashed its rows; the sums add up (two uint32 words apiece)
-        words = jax.experimental.multihost_utils.process_allgather(
-            np.array([batch_hash % 2**32, batch_hash >> 32], np.uint32))
-        batch_hash = sum(int(lo) + (int(hi) << 32) for lo, hi in np.asarray(words).reshape(-1, 2)) % 2**64
-    peak = peak_flops(run.mesh.devices.flat[0])
+    batch_hash = shard.sum_over_processes(batch_hash)  # each process hashed its own rows
+    peak = shard.peak_flops(run.mesh.devices.flat[0])
     flops = run.model_cfg.flops_per_token(run.cfg.seq_len)
-    row = dict(step=step, loss=metrics["loss"], ce_loss=metrics["ce_loss"], z_loss=metrics["z_loss"],
-               lr=lr_at(step, run.cfg), grad_norm=metrics["grad_norm"], skipped=metrics["skipped"],
-               tokens=step * meter.tokens_per_step,
-               tokens_per_s=tps, mfu=tps * flops / (peak * run.mesh.size) if peak else None, data_wait_s=wait,
-               batch_hash=data.format_hash(batch_hash))
+    row = dict(
+        step=step,
+        loss=metrics["loss"],
+        ce_loss=metrics["ce_loss"],
+        z_loss=metrics["z_loss"],
+        lr=lr_at(step, run.cfg),
+        grad_norm=metrics["grad_norm"],
+        skipped=metrics["skipped"],
+        tokens=step * meter.tokens_per_step,
+        tokens_per_s=tps,
+        mfu=tps * flops / (peak * run.mesh.size) if peak else None,
+        data_wait_s=wait,
+        batch_hash=data.format_hash(batch_hash),
+    )
     run.log.write(row)
     meter.show(row)
 
@@ -721,142 +787,47 @@ def save(run: Run, step: int, model, opt, key) -> None:
     run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
 
 
-class Preemption:
-    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
-    (Orbax commits by rename, so the last committed checkpoint is never harmed). With several processes,
-    JAX's preemption service tells every process the same step instead (a Python handler here would
-    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
-
-    def __init__(self):
-        self.signals = 0
-        if jax.process_count() == 1:
-            signal.signal(signal.SIGTERM, self.on_signal)
-            signal.signal(signal.SIGINT, self.on_signal)
-
-    def on_signal(self, signum, frame):
-        self.signals += 1
-        if self.signals > 1:
-            os._exit(128 + signum)
-        say(f"\nsignal {signum}: saving at the next step boundary, then exiting")
-
-    def requested(self, step: int, checkpoints: ckpt.Checkpoints) -> bool:
-        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
-
-
-class MetricsLog:
-    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (eval rows carry eval_loss), as
-    of the checkpoint the run continues from; optionally TensorBoard too. Only process 0 writes."""
-
-    def __init__(self, run_dir: Path, lead: bool, tensorboard: bool):
-        self.path, self.lead, self.tensorboard, self.file, self.tb = run_dir / "metrics.jsonl", lead, tensorboard, None, None
-
-    def rewind(self, step: int, keep_eval: bool = True) -> None:
-        """Drop the rows past `step` (the steps about to be taken again) and, unless keep_eval, step `step`'s
-        eval row: atomically, the old file kept until the new one is complete. A torn last line goes too."""
-        if not self.lead or not self.path.exists():
-            return
-        rows = []
-        for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill
-                continue
-            if row["step"] < step or row["step"] == step and ("eval_loss" not in row or keep_eval):
-                rows.append(line + "\n")
-        data.write_atomic(self.path, "".join(rows))
-
-    def write(self, row: dict) -> None:
-        if not self.lead:
-            return
-        if self.file is None:
-            self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
-            if self.tensorboard:
-                from tensorboardX import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.path.parent / "tb"))
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        for k, v in row.items() if self.tb else ():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.tb.add_scalar(k, v, row["step"])
-
-    def close(self) -> None:
-        for f in (self.file, self.tb):
-            if f is not None:
-                f.close()
-
-
 def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int):
     """The train step compiled for the mesh from abstract inputs: nothing is allocated, so a 7B model on a
-    pod's worth of devices compiles on a laptop. Returns the compiled step and its abstract inputs."""
+    pod's worth of devices compiles on a laptop. Returns the compiled step and its abstract inputs by name."""
     abstract = eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0), compute=compute)
     params, static = eqx.partition(shard.abstract(abstract, shard.shardings(abstract, mesh)), olmo3.is_array)
     opt = eqx.filter_eval_shape(init_opt, abstract, cfg)
     opt = shard.abstract(opt, shard.shardings(opt, mesh))
-    batch = jax.ShapeDtypeStruct((cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh))
+    batch = jax.ShapeDtypeStruct(
+        (cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh)
+    )
 
     # eqx.filter_jit would take the abstract arrays for static values: lower through jax.jit, donating the
     # parameters and optimizer state as train_step does.
     def step(params, opt, batch, lr):
-        model, opt, metrics = train_step(eqx.combine(params, static), opt, batch, lr, cfg=cfg, n_micro=n_micro,
-                                         mesh=mesh)
+        model = eqx.combine(params, static)
+        model, opt, metrics = train_step(model, opt, batch, lr, cfg=cfg, n_micro=n_micro, mesh=mesh)
         return eqx.filter(model, eqx.is_array), opt, metrics
 
     lr = jax.ShapeDtypeStruct((), jnp.float32)
     compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch, lr).compile()
-    return compiled, (params, opt, batch)
+    return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": batch}
 
 
-def dry_run(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int,
-            target) -> int:
+def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int, target) -> int:
     """Compile one train step and report what each device holds, against its HBM; 1 if it does not fit."""
     rows = cfg.global_batch // n_micro // (mesh.shape["data"] * mesh.shape["fsdp"])
-    slices = f" x {target.num_slices} slices" if target and target.num_slices > 1 else ""
-    where = (f"{target.name}{f' ({target.topology})' if target.topology != target.name else ''}{slices}, "
-             f"{mesh.size} devices of {mesh.devices.flat[0].device_kind}" if target else f"{mesh.size} devices")
-    say(f"dry run: {cfg.preset} on {where}, mesh {dict(mesh.shape)}, {n_micro} microbatch(es) of {rows} rows x "
-        f"{cfg.seq_len} per device, attention {compute.attention!r}, remat {compute.remat}; compiling ...")
-    hbm = target.hbm_per_device if target else (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
-    t0 = time.perf_counter()
-    try:
-        compiled, (params, opt, batch) = compile_step(cfg, mesh, model_cfg, compute, n_micro)
-    except Exception as e:  # the TPU compiler refuses a program over HBM; anything else is raised as is
-        need = re.search(r"required for HLO temporaries \(([\d.]+)G\)", str(e))
-        if "RESOURCE_EXHAUSTED" not in str(e) or need is None:
-            raise
-        say(f"does not fit: the compiler needs {need.group(1)} GiB of temporaries per device, which has "
-            f"{hbm / 2**30:.2f} GiB. Try {fitting_flags(cfg, rows)}")
-        return 1
-    mem = compiled.memory_analysis()
-    per_device = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                                  for x in jax.tree.leaves(tree))
-    total = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-             + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
-    say(f"compiled in {time.perf_counter() - t0:.0f} s. Per device:")
-    for name, size in [("parameters (fp32)", per_device(params)), ("optimizer state (fp32)", per_device(opt)),
-                       ("batch", per_device(batch)), ("activations + temporaries", mem.temp_size_in_bytes),
-                       ("generated code", mem.generated_code_size_in_bytes), ("total", total)] + (
-                       [("HBM", hbm)] if hbm else []):
-        say(f"  {name:<26} {size / 2**30:9.3f} GiB")
-    if hbm and total > hbm:
-        say(f"does not fit: {(total - hbm) / 2**30:.1f} GiB over. Try {fitting_flags(cfg, rows)}")
-    elif hbm:
-        say(f"fits, with {(hbm - total) / 2**30:.1f} GiB to spare")
+    say(
+        f"dry run: {cfg.preset} on {shard.describe(mesh, target)}, {n_micro} microbatch(es) of {rows} rows x "
+        f"{cfg.seq_len} per device, attention {compute.attention!r}, remat {compute.remat}; compiling ..."
+    )
+    tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
+    tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
+    tips = ", ".join([*tips, "more chips, or a tensor axis in --mesh"])
+    fits = shard.fit_report(
+        lambda: compile_step(cfg, mesh, model_cfg, compute, n_micro), mesh, target, tips, say
+    )
     if compute.attention == "reference":
         say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
     say(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
-    return 1 if hbm and total > hbm else 0
-
-
-def fitting_flags(cfg: TrainConfig, rows: int) -> str:
-    """What to try when a step does not fit a device."""
-    tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
-    if cfg.compute.remat != "full":
-        tips.append("--remat full (recompute the layers in the backward pass)")
-    if cfg.loss == "reference" or (cfg.loss_chunk or cfg.seq_len) > 2048:
-        tips.append("--loss_chunk 2048 (the fp32 logits a chunk at a time)")
-    return ", ".join(tips + ["more chips, or a tensor axis in --mesh"])
+    return 0 if fits else 1
 
 
 def write_config(run_dir: Path, cfg: TrainConfig, tokenizer_path: str | None) -> None:
@@ -869,28 +840,6 @@ def write_config(run_dir: Path, cfg: TrainConfig, tokenizer_path: str | None) ->
             data.write_atomic(run_dir / "tokenizer.json", tiny)
 
 
-def plot_losses(run_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=0.8)
-    if held:
-        ax.plot(*zip(*held), "o-", label="held-out loss")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run_dir.name}")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=120)
-    plt.close(fig)
-
-
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
     tok = data.get_tokenizer(cfg.tokenizer, tokenizer_path)
     length = min(model.cfg.max_seq_len, cfg.seq_len)
@@ -898,7 +847,9 @@ def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
     for i in range(cfg.samples):
         prompt = jnp.asarray([tok.eos_id], jnp.int32)  # a fresh document starts after an EOS
         out = olmo3.sample(model, prompt, length - 1, key=jax.random.key(i), temperature=0.8, top_k=50)
-        text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size]).split(tok.decode([tok.eos_id]))[0]
+        text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size]).split(
+            tok.decode([tok.eos_id])
+        )[0]
         say(f"--- sample {i + 1} ---\n{text.strip()[:600]}")
 
 
@@ -913,7 +864,7 @@ def main(cfg: TrainConfig) -> int:
     announce(cfg, mesh, model_cfg, compute)
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, n_micro, target)
-    preemption = Preemption()
+    preemption = ckpt.Preemption()
     with ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         run = set_up(cfg, mesh, model_cfg, compute, n_micro)
         start, model, opt, key = restore_or_init(run)
@@ -924,8 +875,13 @@ def main(cfg: TrainConfig) -> int:
         write_config(Path(cfg.run_dir), cfg, run.tokenizer_path)
         rank, world = jax.process_index(), jax.process_count()
         row_ids = run.loader.row_ids(rank, world)
-        to_devices = lambda rows: (shard.put_batch(rows, mesh, cfg.global_batch), data.batch_hash(rows, row_ids))
-        prefetch = data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
+        to_devices = lambda rows: (
+            shard.put_batch(rows, mesh, cfg.global_batch),
+            data.batch_hash(rows, row_ids),
+        )
+        prefetch = data.Prefetcher(
+            lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices
+        )
         batches = iter(prefetch)
         meter, pending, stop = Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
@@ -960,7 +916,7 @@ def main(cfg: TrainConfig) -> int:
         run.checkpoints.close()
         run.log.close()
     if jax.process_index() == 0 and not stop:
-        plot_losses(Path(cfg.run_dir))
+        ckpt.plot_losses(Path(cfg.run_dir))
     if cfg.samples and not stop:  # the model spans every process, so all of them sample; process 0 prints
         print_samples(model, cfg, run.tokenizer_path)
     return 0
@@ -975,7 +931,13 @@ def cli(argv: list[str]) -> int:
     except FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ckpt.CheckpointError, ckpt.RunDirBusy, data.DataError, FloatingPointError, FileNotFoundError) as e:
+    except (
+        ckpt.CheckpointError,
+        ckpt.RunDirBusy,
+        data.DataError,
+        FloatingPointError,
+        FileNotFoundError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -35,14 +35,18 @@ def main():
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
 
-    cfg = dataclasses.replace(olmo3.PRESETS["1b"], n_layers=args.layers, layer_types=(olmo3.FULL,) * args.layers)
+    cfg = dataclasses.replace(
+        olmo3.PRESETS["1b"], n_layers=args.layers, layer_types=(olmo3.FULL,) * args.layers
+    )
     model = eqx.filter_jit(olmo3.Olmo3)(cfg, key=jax.random.key(0))
     params = olmo3.count_params(model)
     state = {"opt": train.init_opt(model, train.PRESETS["1b"])} if args.moments else None
     nbytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter((model, state), eqx.is_array)))
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-speed-"))
-    print(f"state: {params / 1e9:.2f}B parameters{' + Adam moments' if args.moments else ''}, "
-          f"{nbytes / 2**30:.1f} GiB, written to {root} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores")
+    print(
+        f"state: {params / 1e9:.2f}B parameters{' + Adam moments' if args.moments else ''}, "
+        f"{nbytes / 2**30:.1f} GiB, written to {root} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores"
+    )
     print(f"{'save':>5} {'blocked s':>10} {'committed s':>12} {'GiB/s':>7}")
     saver = ckpt.Checkpoints(root, keep_last=2)
     for i in range(1, args.repeats + 1):
@@ -53,7 +57,11 @@ def main():
         total = time.perf_counter() - t0
         print(f"{i:>5} {blocked:>10.2f} {total:>12.2f} {nbytes / 2**30 / total:>7.2f}")
     saver.close()
-    like_state = {"opt": jax.tree.map(ckpt._abstract, eqx.filter(state["opt"], eqx.is_array))} if args.moments else None
+    like_state = (
+        {"opt": jax.tree.map(ckpt._abstract, eqx.filter(state["opt"], eqx.is_array))}
+        if args.moments
+        else None
+    )
     t0 = time.perf_counter()
     restored, _, _ = ckpt.Checkpoints(root).read(args.repeats, ckpt._abstract_model(cfg), like_state)
     jax.block_until_ready(restored)

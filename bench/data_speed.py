@@ -1,7 +1,7 @@
 """Data throughput: TokenLoader batches from token files, batch_hash, the permutation, the tokenizers.
 
-  python bench/data_speed.py           # about 2 minutes on 2 CPU cores; writes ~600 MB to a temp folder
-  python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
+python bench/data_speed.py           # about 2 minutes on 2 CPU cores; writes ~600 MB to a temp folder
+python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
 """
 
 import argparse
@@ -54,9 +54,15 @@ def loader_speed(folder, rows):
     warm, _ = timed(lambda: [loader.global_batch(i) for i in range(n, 3 * n)])
     for name, seconds, batches in (("cold", cold, n), ("warm", warm, 2 * n)):
         per_s = batches / seconds
-        rows.append((f"TokenLoader.global_batch, {BATCH} x {SEQ}, page cache {name}",
-                     (f"{per_s:.1f} batches/s = {per_s * BATCH * SEQ / 1e6:.1f}M tokens/s "
-                      f"({per_s * BATCH * SEQ * 4 / 1e6:.0f} MB/s)")))
+        rows.append(
+            (
+                f"TokenLoader.global_batch, {BATCH} x {SEQ}, page cache {name}",
+                (
+                    f"{per_s:.1f} batches/s = {per_s * BATCH * SEQ / 1e6:.1f}M tokens/s "
+                    f"({per_s * BATCH * SEQ * 4 / 1e6:.0f} MB/s)"
+                ),
+            )
+        )
     batch = loader.global_batch(0)
     for b in (64, 512):
         seconds, _ = timed(data.batch_hash, np.tile(batch, (b // BATCH, 1)), repeat=5)
@@ -66,10 +72,12 @@ def loader_speed(folder, rows):
 def permutation_speed(n):
     """Time and peak memory of global_indices(n) in a fresh process."""
     # VmHWM, the process's peak resident memory (ru_maxrss would carry over this parent's peak across exec).
-    code = (f"import re, time, data\n"
-            f"hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024\n"
-            f"base = hwm(); t = time.perf_counter(); p = data.global_indices({n}, data.DEFAULT_SEED, 1)\n"
-            f"print(time.perf_counter() - t, hwm() - base)")
+    code = (
+        f"import re, time, data\n"
+        f"hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024\n"
+        f"base = hwm(); t = time.perf_counter(); p = data.global_indices({n}, data.DEFAULT_SEED, 1)\n"
+        f"print(time.perf_counter() - t, hwm() - base)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     seconds, peak = map(float, out.stdout.split())
@@ -86,8 +94,12 @@ def tokenizer_speed(folder, rows):
         one, ids = timed(lambda encode: [encode(t) for t in texts], tok.encode)
         batch, _ = timed(tok.encode_batch, texts)
         n = sum(map(len, ids))
-        rows.append((f"{name} encode, one thread, {mb:.1f} MB of Shakespeare",
-                     f"{mb / one:.1f} MB/s ({n / one / 1e6:.2f}M tokens/s, {n:,} tokens)"))
+        rows.append(
+            (
+                f"{name} encode, one thread, {mb:.1f} MB of Shakespeare",
+                f"{mb / one:.1f} MB/s ({n / one / 1e6:.2f}M tokens/s, {n:,} tokens)",
+            )
+        )
         rows.append((f"{name} encode_batch (the tokenizer's own threads)", f"{mb / batch:.1f} MB/s"))
     srcs = []
     for copy in range(4):  # 152 documents, 21 MB: enough for num_proc to matter
@@ -98,13 +110,18 @@ def tokenizer_speed(folder, rows):
                 f.write(text)
     for num_proc in (1, 2):
         seconds, _ = timed(data.tokenize, srcs, os.path.join(folder, f"out{num_proc}"), "dolma2", num_proc)
-        rows.append((f"tokenize(.txt, dolma2, num_proc={num_proc}), {4 * mb:.0f} MB end to end",
-                     f"{4 * mb / seconds:.1f} MB/s ({seconds:.1f} s)"))
+        rows.append(
+            (
+                f"tokenize(.txt, dolma2, num_proc={num_proc}), {4 * mb:.0f} MB end to end",
+                f"{4 * mb / seconds:.1f} MB/s ({seconds:.1f} s)",
+            )
+        )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--full", action="store_true", help="build the permutation at the real mix's size")
     args = parser.parse_args()
     rows = []
@@ -112,16 +129,25 @@ if __name__ == "__main__":
         loader_speed(folder, rows)
         for n in [100_000_000] + [OLMO3_INSTANCES] * args.full:
             seconds, peak = permutation_speed(n)
-            rows.append((f"global_indices({n:,})",
-                         f"{seconds:.1f} s, peak +{peak / 1e9:.2f} GB ({peak / n:.1f} bytes/instance)"))
+            rows.append(
+                (
+                    f"global_indices({n:,})",
+                    f"{seconds:.1f} s, peak +{peak / 1e9:.2f} GB ({peak / n:.1f} bytes/instance)",
+                )
+            )
         if not args.full:
             scale = OLMO3_INSTANCES / 100_000_000
-            rows.append((f"global_indices({OLMO3_INSTANCES:,}), extrapolated",
-                         f"~{seconds * scale:.0f} s, ~{peak * scale / 1e9:.1f} GB"))
+            rows.append(
+                (
+                    f"global_indices({OLMO3_INSTANCES:,}), extrapolated",
+                    f"~{seconds * scale:.0f} s, ~{peak * scale / 1e9:.1f} GB",
+                )
+            )
         n = 100_000_000
         data.global_indices(n, 1, 1).tofile(os.path.join(folder, "perm.npy"))
-        seconds, _ = timed(lambda: int(np.memmap(os.path.join(folder, "perm.npy"), np.uint32, "r")
-                                       .sum(dtype=np.uint64)))
+        seconds, _ = timed(
+            lambda: int(np.memmap(os.path.join(folder, "perm.npy"), np.uint32, "r").sum(dtype=np.uint64))
+        )
         rows.append((f"permutation cache check (sum of {n:,} uint32, page cache warm)", f"{seconds:.2f} s"))
         tokenizer_speed(folder, rows)
     width = max(len(name) for name, _ in rows)

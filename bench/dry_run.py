@@ -24,15 +24,25 @@ ROOT = Path(__file__).resolve().parent.parent
 # (group, "preset topology flags"): the 7B on 256 chips of each TPU family (v5p-512 and tpu7x-512 count
 # TensorCores), the smallest slices it fits, the 32B on 256 and 512 chips, and the remat policies.
 ROWS = [
-    ("7b-256", "7b v5p-512"), ("7b-256", "7b v6e-256"), ("7b-256", "7b v5litepod-256"), ("7b-256", "7b tpu7x-512"),
+    ("7b-256", "7b v5p-512"),
+    ("7b-256", "7b v6e-256"),
+    ("7b-256", "7b v5litepod-256"),
+    ("7b-256", "7b tpu7x-512"),
     ("7b-256", "7b v5p-512 --head_layout 16x256"),
-    ("7b-small", "7b v5p-8 --microbatch 1 --loss_chunk 1024"), ("7b-small", "7b v6e-8 --microbatch 1 --loss_chunk 1024"),
+    ("7b-small", "7b v5p-8 --microbatch 1 --loss_chunk 1024"),
+    ("7b-small", "7b v6e-8 --microbatch 1 --loss_chunk 1024"),
     ("7b-small", "7b v5litepod-16 --microbatch 1 --loss_chunk 1024"),
     ("7b-small", "7b tpu7x-8 --microbatch 1 --loss_chunk 1024"),
-    ("32b", "32b v5p-512"), ("32b", "32b v5p-1024"), ("32b", "32b tpu7x-512"), ("32b", "32b tpu7x-1024"),
-    ("remat", "7b v5p-512 --remat none"), ("remat", "7b v5p-512 --remat save_attention"),
-    ("remat", "7b v5p-512 --remat save_matmuls"), ("remat", "7b tpu7x-512 --remat none"),
-    ("remat", "7b tpu7x-512 --remat save_attention"), ("remat", "7b tpu7x-512 --remat save_matmuls"),
+    ("32b", "32b v5p-512"),
+    ("32b", "32b v5p-1024"),
+    ("32b", "32b tpu7x-512"),
+    ("32b", "32b tpu7x-1024"),
+    ("remat", "7b v5p-512 --remat none"),
+    ("remat", "7b v5p-512 --remat save_attention"),
+    ("remat", "7b v5p-512 --remat save_matmuls"),
+    ("remat", "7b tpu7x-512 --remat none"),
+    ("remat", "7b tpu7x-512 --remat save_attention"),
+    ("remat", "7b tpu7x-512 --remat save_matmuls"),
 ]
 
 
@@ -41,11 +51,17 @@ def dry_run(row: str) -> dict:
     args = ["--preset", preset, "--dry_run", "--topology", topology, *flags]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:  # a dry run writes nothing there
-        out = subprocess.run([sys.executable, "train.py", *args, "--run_dir", run_dir], cwd=ROOT, capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [sys.executable, "train.py", *args, "--run_dir", run_dir],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
     result = {"row": row, "exit": out.returncode, "seconds": round(time.perf_counter() - t0)}
     text = out.stdout
-    result.update({m[0].strip(): float(m[1]) for m in re.findall(r"^  (.{26}) +([\d.]+) GiB$", text, re.MULTILINE)})
+    result.update(
+        {m[0].strip(): float(m[1]) for m in re.findall(r"^  (.{26}) +([\d.]+) GiB$", text, re.MULTILINE)}
+    )
     if m := re.search(r"^dry run: .*$", text, re.MULTILINE):
         result["setup"] = m.group(0)
     if m := re.search(r"^(fits.*|does not fit.*)$", text, re.MULTILINE):
@@ -59,20 +75,27 @@ def table_row(r: dict) -> str:
     preset, topology, *flags = r["row"].split()
     gib = lambda k: f"{r[k]:.1f}" if k in r else "-"
     state = r.get("parameters (fp32)", 0) + r.get("optimizer state (fp32)", 0)
-    return (f"| {preset} | {topology} | {' '.join(flags) or 'preset defaults'} | {state:.1f} | "
-            f"{gib('activations + temporaries')} | {gib('total')} | {gib('HBM')} | "
-            f"{r.get('verdict', 'error: ' + r.get('error', '?').splitlines()[-1][:120])} | {r['seconds']} |")
+    return (
+        f"| {preset} | {topology} | {' '.join(flags) or 'preset defaults'} | {state:.1f} | "
+        f"{gib('activations + temporaries')} | {gib('total')} | {gib('HBM')} | "
+        f"{r.get('verdict', 'error: ' + r.get('error', '?').splitlines()[-1][:120])} | {r['seconds']} |"
+    )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=None, help=f"one group: {sorted({g for g, _ in ROWS})}")
-    parser.add_argument("--row", action="append", default=[], help="'PRESET TOPOLOGY [FLAGS]' instead of the list")
+    parser.add_argument(
+        "--row", action="append", default=[], help="'PRESET TOPOLOGY [FLAGS]' instead of the list"
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     rows = args.row or [row for group, row in ROWS if args.only in (None, group)]
-    print("| preset | slice | flags | params + Adam GiB | activations + temps GiB | total GiB | HBM GiB | verdict "
-          "| compile s |\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| preset | slice | flags | params + Adam GiB | activations + temps GiB | total GiB | HBM GiB | verdict "
+        "| compile s |\n|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
     results = []
     for row in rows:
         results.append(dry_run(row))

@@ -53,7 +53,13 @@ import olmo3
 import train
 
 # Relative per step and for the held-out loss; a fraction for top-1; nats for any one held-out token's loss.
-TOLERANCE = {"loss": 1e-5, "grad_norm": 1e-4, "held_out_loss": 1e-5, "top1_fp32": 0.999, "token_loss_fp32": 1e-3}
+TOLERANCE = {
+    "loss": 1e-5,
+    "grad_norm": 1e-4,
+    "held_out_loss": 1e-5,
+    "top1_fp32": 0.999,
+    "token_loss_fp32": 1e-3,
+}
 PUBLIC_TOP1 = 0.9875  # the public JAX reproduction's top-1 agreement with AI2's model at 8192 tokens
 
 
@@ -87,10 +93,12 @@ class Recorder(Callback):
     def log_metrics(self, step, metrics):
         if step == 0:  # the trainer's dry-run batch, which trains nothing
             return
-        self.rows[step].update(loss=metrics["train/CE loss"] + metrics["train/Z loss"],
-                               lr=[metrics["optim/LR (group 0)"], metrics["optim/LR (group 1)"]],
-                               grad_norm=metrics["optim/total grad norm"],
-                               skipped=bool(metrics["optim/step skipped"]))
+        self.rows[step].update(
+            loss=metrics["train/CE loss"] + metrics["train/Z loss"],
+            lr=[metrics["optim/LR (group 0)"], metrics["optim/LR (group 1)"]],
+            grad_norm=metrics["optim/total grad norm"],
+            skipped=bool(metrics["optim/step skipped"]),
+        )
         progress("OLMo-core", step, self.trainer.max_steps, self.rows[step]["loss"])
 
 
@@ -102,36 +110,63 @@ def progress(side: str, step: int, steps: int, loss: float):
 def olmo_core_run(args, files, out: Path):
     """OLMo-core's stage-1 recipe (OLMo-3-1025-7B-pretrain-1.py, scaled down): its trained model and records."""
     tokenizer = TokenizerConfig.dolma2()
-    window = SlidingWindowAttentionConfig(pattern=[args.window] * 3 + [-1], force_full_attention_on_first_layer=False,
-                                          force_full_attention_on_last_layer=True)
-    model = TransformerConfig.olmo3_14M(vocab_size=tokenizer.padded_vocab_size(), n_layers=args.layers,
-                                        n_kv_heads=args.kv_heads, sliding_window=window,
-                                        attn_backend=AttentionBackendName.torch).build(init_device="cpu")
+    window = SlidingWindowAttentionConfig(
+        pattern=[args.window] * 3 + [-1],
+        force_full_attention_on_first_layer=False,
+        force_full_attention_on_last_layer=True,
+    )
+    model = TransformerConfig.olmo3_14M(
+        vocab_size=tokenizer.padded_vocab_size(),
+        n_layers=args.layers,
+        n_kv_heads=args.kv_heads,
+        sliding_window=window,
+        attn_backend=AttentionBackendName.torch,
+    ).build(init_device="cpu")
     tokens = args.batch * args.seq_len  # OLMo-core sizes batches in tokens; the batch is one microbatch
     no_decay = OptimGroupOverride(params=["embeddings.weight"], opts={"weight_decay": 0.0})
-    optim = SkipStepAdamWConfig(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, sigma_factor=6,
-                                rolling_interval_length=args.skip_window, group_overrides=[no_decay])
+    optim = SkipStepAdamWConfig(
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.1,
+        sigma_factor=6,
+        rolling_interval_length=args.skip_window,
+        group_overrides=[no_decay],
+    )
     module = TransformerTrainModuleConfig(
-        rank_microbatch_size=tokens, max_sequence_length=args.seq_len, optim=optim, z_loss_multiplier=1e-5,
-        max_grad_norm=1.0, scheduler=CosWithWarmup(warmup=args.warmup, alpha_f=0.1, t_max=args.steps),
+        rank_microbatch_size=tokens,
+        max_sequence_length=args.seq_len,
+        optim=optim,
+        z_loss_multiplier=1e-5,
+        max_grad_norm=1.0,
+        scheduler=CosWithWarmup(warmup=args.warmup, alpha_f=0.1, t_max=args.steps),
     ).build(model, device=torch.device("cpu"))  # this initialises the weights (init_seed 0)
     save_hf_model(out / "init-hf", module.model.state_dict(), module.model, save_overwrite=True)
 
     work = str(out / "olmo-core-work")
-    dataset = NumpyFSLDatasetConfig(paths=files["train"], sequence_length=args.seq_len, tokenizer=tokenizer,
-                                    work_dir=work).build()
+    dataset = NumpyFSLDatasetConfig(
+        paths=files["train"], sequence_length=args.seq_len, tokenizer=tokenizer, work_dir=work
+    ).build()
     loader = NumpyDataLoaderConfig(global_batch_size=tokens, seed=args.seed, work_dir=work).build(dataset)
     recorder = Recorder()
-    trainer = TrainerConfig(save_folder=str(out / "olmo-core-run"), max_duration=Duration.steps(args.steps),
-                            metrics_collect_interval=1, no_checkpoints=True, save_overwrite=True,
-                            callbacks={"recorder": recorder}).build(module, loader)
+    trainer = TrainerConfig(
+        save_folder=str(out / "olmo-core-run"),
+        max_duration=Duration.steps(args.steps),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+        save_overwrite=True,
+        callbacks={"recorder": recorder},
+    ).build(module, loader)
     # torch's CPU kernel for an fp32 vector norm accumulates without cascade summation (pytorch/pytorch#169237)
     # and misses the norm of the 12.8M-entry LM head gradient by up to 7e-4. OLMo-core clips with that norm,
     # so on a CPU its early updates are scaled by a wrong factor: by step 44 the run differs from itself with
     # an exact norm by 3e-4 in grad norm (and from ours by as much), where the exact one agrees with ours to
     # 4e-7. On a GPU the reduction is exact to fp32 rounding, and so is the norm patched in here.
-    cpu_norm = contextlib.nullcontext() if args.torch_cpu_norm else mock.patch.object(
-        torch.nn.utils, "get_total_norm", exact_total_norm)
+    cpu_norm = (
+        contextlib.nullcontext()
+        if args.torch_cpu_norm
+        else mock.patch.object(torch.nn.utils, "get_total_norm", exact_total_norm)
+    )
     with cpu_norm:
         trainer.fit()
     return module.model.eval(), [recorder.rows[s] for s in range(1, args.steps + 1)]
@@ -142,23 +177,46 @@ def our_run(args, files, out: Path):
     model = ckpt.load_hf(out / "init-hf", compute=olmo3.Compute(dtype="float32", attention="reference"))
     # The official recipe's defaults (betas, eps, weight decay, clipping, z-loss, skip sigma), where OLMo-core's
     # side spells them out: a wrong default here would show. Scaled down: the sizes and the schedule.
-    cfg = dataclasses.replace(train.PRESETS["7b"], seq_len=args.seq_len, global_batch=args.batch, seed=args.seed,
-                              lr=args.lr, warmup_steps=args.warmup, lr_horizon=args.steps, steps=args.steps,
-                              skip_window=args.skip_window)
+    cfg = dataclasses.replace(
+        train.PRESETS["7b"],
+        seq_len=args.seq_len,
+        global_batch=args.batch,
+        seed=args.seed,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        lr_horizon=args.steps,
+        steps=args.steps,
+        skip_window=args.skip_window,
+    )
     for override in args.ours:
         name, value = override.split("=", 1)
         cfg = train.with_flag(cfg, name, train.flags()[name][0](value))
-    loader = data.TokenLoader(files["train"], cfg.seq_len, cfg.global_batch, seed=cfg.seed, dtype=np.uint32,
-                              vocab_size=model.cfg.vocab_size, work_dir=str(out / "ours-work"))
+    loader = data.TokenLoader(
+        files["train"],
+        cfg.seq_len,
+        cfg.global_batch,
+        seed=cfg.seed,
+        dtype=np.uint32,
+        vocab_size=model.cfg.vocab_size,
+        work_dir=str(out / "ours-work"),
+    )
     opt = train.init_opt(model, cfg)
     rows = []
     for step in range(1, args.steps + 1):  # step s trains on batch s - 1, as OLMo-core's step s does
         batch = loader.global_batch(step - 1)
         lr = train.lr_at(step, cfg)
-        model, opt, m = train.train_step(model, opt, jnp.asarray(batch, jnp.int32), jnp.float32(lr), cfg=cfg,
-                                         n_micro=1)
-        rows.append({"hash": data.batch_hash(batch), "lr": lr, "loss": float(m["loss"]),
-                     "grad_norm": float(m["grad_norm"]), "skipped": bool(m["skipped"])})
+        model, opt, m = train.train_step(
+            model, opt, jnp.asarray(batch, jnp.int32), jnp.float32(lr), cfg=cfg, n_micro=1
+        )
+        rows.append(
+            {
+                "hash": data.batch_hash(batch),
+                "lr": lr,
+                "loss": float(m["loss"]),
+                "grad_norm": float(m["grad_norm"]),
+                "skipped": bool(m["skipped"]),
+            }
+        )
         progress("ours", step, args.steps, rows[-1]["loss"])
     return model, rows
 
@@ -170,12 +228,23 @@ def rel(a: float, b: float) -> float:
 def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
     table = []
     for step, (o, t) in enumerate(zip(ours, theirs), 1):
-        r = {"step": step, "ours": o, "olmo_core": t, "hash_equal": o["hash"] == t["hash"],
-             "lr_equal": all(rel(o["lr"], lr) <= 1e-12 for lr in t["lr"]),  # the same float64, to rounding
-             "loss_rel": rel(o["loss"], t["loss"]), "grad_norm_rel": rel(o["grad_norm"], t["grad_norm"]),
-             "skipped_equal": o["skipped"] == t["skipped"]}
-        checks = {"batch": r["hash_equal"], "lr": r["lr_equal"], "loss": r["loss_rel"] <= TOLERANCE["loss"],
-                  "grad_norm": r["grad_norm_rel"] <= TOLERANCE["grad_norm"], "skipped": r["skipped_equal"]}
+        r = {
+            "step": step,
+            "ours": o,
+            "olmo_core": t,
+            "hash_equal": o["hash"] == t["hash"],
+            "lr_equal": all(rel(o["lr"], lr) <= 1e-12 for lr in t["lr"]),  # the same float64, to rounding
+            "loss_rel": rel(o["loss"], t["loss"]),
+            "grad_norm_rel": rel(o["grad_norm"], t["grad_norm"]),
+            "skipped_equal": o["skipped"] == t["skipped"],
+        }
+        checks = {
+            "batch": r["hash_equal"],
+            "lr": r["lr_equal"],
+            "loss": r["loss_rel"] <= TOLERANCE["loss"],
+            "grad_norm": r["grad_norm_rel"] <= TOLERANCE["grad_norm"],
+            "skipped": r["skipped_equal"],
+        }
         r["failed"] = [name for name, ok in checks.items() if not ok]
         table.append(r)
     return table
@@ -203,11 +272,19 @@ def held_out(ours, theirs, files, length: int, n_tokens: int) -> dict:
     vocab = data.get_tokenizer("dolma2").vocab_size  # no text ever continues with one of the 74 padding ids
     bf16 = ours.using(dataclasses.replace(ours.compute, dtype="bfloat16"))
     top1, ce = map(np.concatenate, zip(*(olmo_core_predictions(theirs, s, vocab) for s in sequences)))
-    result = {"length": length, "sequences": len(sequences), "olmo_core_loss": float(ce.mean(dtype=np.float64)),
-              "distinct_top1": len(np.unique(top1))}  # how varied the predictions compared are
+    result = {
+        "length": length,
+        "sequences": len(sequences),
+        "olmo_core_loss": float(ce.mean(dtype=np.float64)),
+        "distinct_top1": len(np.unique(top1)),
+    }  # how varied the predictions compared are
     for name, model in {"fp32": ours, "bf16": bf16}.items():
-        our_top1, our_ce = map(np.concatenate, zip(*(
-            jax.device_get(our_predictions(model, jnp.asarray(s, jnp.int32), vocab)) for s in sequences)))
+        our_top1, our_ce = map(
+            np.concatenate,
+            zip(
+                *(jax.device_get(our_predictions(model, jnp.asarray(s, jnp.int32), vocab)) for s in sequences)
+            ),
+        )
         result[f"{name}_loss"] = float(our_ce.mean(dtype=np.float64))
         # Per position, the two models' -log p(next token): agreement of whole distributions, which stays
         # informative when a barely trained model predicts the same token everywhere.
@@ -218,33 +295,43 @@ def held_out(ours, theirs, files, length: int, n_tokens: int) -> dict:
 
 def report(table: list[dict], evals: list[dict]) -> list[str]:
     """Print the comparison; return what left its tolerance."""
-    print(f"{'step':>4} {'batch hash':>17} {'lr ours':>10} {'lr OC':>10} {'loss ours':>11} {'loss OC':>11} "
-          f"{'rel':>8} {'|g| ours':>10} {'|g| OC':>10} {'rel':>8} {'skip':>5}")
+    print(
+        f"{'step':>4} {'batch hash':>17} {'lr ours':>10} {'lr OC':>10} {'loss ours':>11} {'loss OC':>11} "
+        f"{'rel':>8} {'|g| ours':>10} {'|g| OC':>10} {'rel':>8} {'skip':>5}"
+    )
     for r in table:
         o, t = r["ours"], r["olmo_core"]
-        print(f"{r['step']:>4} {data.format_hash(t['hash'])}{'=' if r['hash_equal'] else '!'} "
-              f"{o['lr']:10.4e} {t['lr'][0]:10.4e} {o['loss']:11.7f} {t['loss']:11.7f} {r['loss_rel']:8.1e} "
-              f"{o['grad_norm']:10.6f} {t['grad_norm']:10.6f} {r['grad_norm_rel']:8.1e} "
-              f"{'yes' if o['skipped'] else 'no':>4}{'' if r['skipped_equal'] else '!'}"
-              + (f"  <- {', '.join(r['failed'])}" if r["failed"] else ""))
-    print(f"max relative difference: loss {max(r['loss_rel'] for r in table):.1e} (tolerance "
-          f"{TOLERANCE['loss']:.0e}), grad norm {max(r['grad_norm_rel'] for r in table):.1e} (tolerance "
-          f"{TOLERANCE['grad_norm']:.0e}); batches {'all' if all(r['hash_equal'] for r in table) else 'NOT all'} "
-          f"equal, LRs {'all' if all(r['lr_equal'] for r in table) else 'NOT all'} equal")
+        print(
+            f"{r['step']:>4} {data.format_hash(t['hash'])}{'=' if r['hash_equal'] else '!'} "
+            f"{o['lr']:10.4e} {t['lr'][0]:10.4e} {o['loss']:11.7f} {t['loss']:11.7f} {r['loss_rel']:8.1e} "
+            f"{o['grad_norm']:10.6f} {t['grad_norm']:10.6f} {r['grad_norm_rel']:8.1e} "
+            f"{'yes' if o['skipped'] else 'no':>4}{'' if r['skipped_equal'] else '!'}"
+            + (f"  <- {', '.join(r['failed'])}" if r["failed"] else "")
+        )
+    print(
+        f"max relative difference: loss {max(r['loss_rel'] for r in table):.1e} (tolerance "
+        f"{TOLERANCE['loss']:.0e}), grad norm {max(r['grad_norm_rel'] for r in table):.1e} (tolerance "
+        f"{TOLERANCE['grad_norm']:.0e}); batches {'all' if all(r['hash_equal'] for r in table) else 'NOT all'} "
+        f"equal, LRs {'all' if all(r['lr_equal'] for r in table) else 'NOT all'} equal"
+    )
     failures = [f"step {r['step']}: {', '.join(r['failed'])}" for r in table if r["failed"]]
     for e in evals:
         loss_rel = rel(e["fp32_loss"], e["olmo_core_loss"])
-        print(f"held out, {e['sequences']} x {e['length']} tokens: loss OLMo-core {e['olmo_core_loss']:.6f}, "
-              f"ours fp32 {e['fp32_loss']:.6f} (rel {loss_rel:.1e}), bf16 {e['bf16_loss']:.6f}; per-token loss "
-              f"max |diff| fp32 {e['fp32_token_loss_diff']:.1e}, bf16 {e['bf16_token_loss_diff']:.1e} nats; "
-              f"top-1 agreement fp32 {e['fp32_top1']:.4%}, bf16 {e['bf16_top1']:.4%} over "
-              f"{e['distinct_top1']} distinct predicted tokens (public JAX reproduction: {PUBLIC_TOP1:.2%} at 8192)")
+        print(
+            f"held out, {e['sequences']} x {e['length']} tokens: loss OLMo-core {e['olmo_core_loss']:.6f}, "
+            f"ours fp32 {e['fp32_loss']:.6f} (rel {loss_rel:.1e}), bf16 {e['bf16_loss']:.6f}; per-token loss "
+            f"max |diff| fp32 {e['fp32_token_loss_diff']:.1e}, bf16 {e['bf16_token_loss_diff']:.1e} nats; "
+            f"top-1 agreement fp32 {e['fp32_top1']:.4%}, bf16 {e['bf16_top1']:.4%} over "
+            f"{e['distinct_top1']} distinct predicted tokens (public JAX reproduction: {PUBLIC_TOP1:.2%} at 8192)"
+        )
         if loss_rel > TOLERANCE["held_out_loss"]:
             failures.append(f"held-out loss at {e['length']} tokens: rel {loss_rel:.1e}")
         if e["fp32_top1"] < TOLERANCE["top1_fp32"]:
             failures.append(f"fp32 top-1 agreement at {e['length']} tokens: {e['fp32_top1']:.4%}")
         if e["fp32_token_loss_diff"] > TOLERANCE["token_loss_fp32"]:
-            failures.append(f"a held-out token's loss at {e['length']} tokens: {e['fp32_token_loss_diff']:.1e} nats")
+            failures.append(
+                f"a held-out token's loss at {e['length']} tokens: {e['fp32_token_loss_diff']:.1e} nats"
+            )
     return failures
 
 
@@ -261,8 +348,9 @@ def plot(table: list[dict], path: Path):
     top.set(ylabel="train loss (CE + z-loss)", title="the same weights, batches and recipe (fp32, CPU)")
     top.legend()
     for key, style in [("loss", ":"), ("grad_norm", "-.")]:
-        line, = bottom.semilogy(steps, [max(r[f"{key}_rel"], 1e-8) for r in table], ".-", lw=0.6,
-                                label=key.replace("_", " "))
+        (line,) = bottom.semilogy(
+            steps, [max(r[f"{key}_rel"], 1e-8) for r in table], ".-", lw=0.6, label=key.replace("_", " ")
+        )
         bottom.axhline(TOLERANCE[key], color=line.get_color(), ls=style, lw=0.8)  # its tolerance
     bottom.set(xlabel="step", ylabel="relative difference\n(0 drawn at 1e-8)")
     bottom.legend()
@@ -283,16 +371,30 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=8, help="two [S,S,S,F] groups, so our layer scan loops")
     p.add_argument("--kv_heads", type=int, default=4, help="for olmo3_14M's 8 query heads: grouped-query")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=10, help="linear warmup steps; then cosine to lr/10 at --steps")
-    p.add_argument("--skip_window", type=int, default=16,
-                   help="steps of SkipStep history (128 in the recipe), so the spike rule is on from step 8")
+    p.add_argument(
+        "--warmup", type=int, default=10, help="linear warmup steps; then cosine to lr/10 at --steps"
+    )
+    p.add_argument(
+        "--skip_window",
+        type=int,
+        default=16,
+        help="steps of SkipStep history (128 in the recipe), so the spike rule is on from step 8",
+    )
     p.add_argument("--seed", type=int, default=data.DEFAULT_SEED, help="the data order")
     p.add_argument("--eval_tokens", type=int, default=8192, help="held-out tokens per context (0: no eval)")
     p.add_argument("--eval_len", type=int, default=8192, help="the long context (the public figure's)")
-    p.add_argument("--ours", action="append", default=[], metavar="FIELD=VALUE",
-                   help="set a TrainConfig field on our side only, e.g. z_loss=2e-5 (a deliberate mismatch)")
-    p.add_argument("--torch_cpu_norm", action="store_true",
-                   help="let OLMo-core clip with torch's inexact CPU grad norm (see olmo_core_run)")
+    p.add_argument(
+        "--ours",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set a TrainConfig field on our side only, e.g. z_loss=2e-5 (a deliberate mismatch)",
+    )
+    p.add_argument(
+        "--torch_cpu_norm",
+        action="store_true",
+        help="let OLMo-core clip with torch's inexact CPU grad norm (see olmo_core_run)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -315,11 +417,21 @@ def main(argv=None) -> int:
     failures = report(table, evals)
     plot(table, out / "reference_loss.png")
     versions = {k: metadata.version(k) for k in ("jax", "equinox", "torch", "ai2-olmo-core")}
-    result = {"args": vars(args), "tolerance": TOLERANCE, "steps": table, "held_out": evals,
-              "failures": failures, "seconds": seconds, "versions": versions}
+    result = {
+        "args": vars(args),
+        "tolerance": TOLERANCE,
+        "steps": table,
+        "held_out": evals,
+        "failures": failures,
+        "seconds": seconds,
+        "versions": versions,
+    }
     (out / "reference.json").write_text(json.dumps(result, indent=1))
-    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
-          + f"; wrote {out / 'reference.json'} and {out / 'reference_loss.png'}")
+    print(
+        "seconds: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items())
+        + f"; wrote {out / 'reference.json'} and {out / 'reference_loss.png'}"
+    )
     print("FAILED: " + "; ".join(failures) if failures else "all figures within tolerance")
     return 1 if failures else 0
 

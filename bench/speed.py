@@ -43,13 +43,22 @@ def report(name, tokens, step_s, compile_s, mcfg, seq, peak_mem, loss, note=""):
     peak = train.peak_flops(jax.devices()[0])
     tps = tokens / step_s
     mfu = tps * mcfg.flops_per_token(seq) / peak if peak else None
-    row = dict(system=name, tokens_per_s=round(tps), step_s=round(step_s, 4), compile_s=round(compile_s, 1),
-               mfu=round(mfu, 4) if mfu else None, peak_mem_gib=round(peak_mem / 2**30, 1) if peak_mem else None,
-               loss=round(float(loss), 4), note=note)
+    row = dict(
+        system=name,
+        tokens_per_s=round(tps),
+        step_s=round(step_s, 4),
+        compile_s=round(compile_s, 1),
+        mfu=round(mfu, 4) if mfu else None,
+        peak_mem_gib=round(peak_mem / 2**30, 1) if peak_mem else None,
+        loss=round(float(loss), 4),
+        note=note,
+    )
     ROWS.append(row)
     mfu_s = f"{100 * mfu:5.1f}%" if mfu else "    -"
     mem_s = f"{row['peak_mem_gib']:6.1f}" if peak_mem else "     -"
-    print(f"{name:<44} {tps:>10,.0f} {step_s:>8.3f} {mfu_s:>7} {mem_s:>8} {compile_s:>8.1f}  {note}", flush=True)
+    print(
+        f"{name:<44} {tps:>10,.0f} {step_s:>8.3f} {mfu_s:>7} {mem_s:>8} {compile_s:>8.1f}  {note}", flush=True
+    )
     return tps
 
 
@@ -66,14 +75,19 @@ def device_peak_memory():
 
 def ours_step(mcfg, tcfg, batch, n_micro=1):
     """Our jitted train step on random tokens, as a callable returning the loss."""
-    compute = dataclasses.replace(tcfg.compute, attention=train.attention_kernel(tcfg, jax.devices()[0].platform))
+    compute = dataclasses.replace(
+        tcfg.compute, attention=train.attention_kernel(tcfg, jax.devices()[0].platform)
+    )
     state = {"model": eqx.filter_jit(olmo3.Olmo3)(mcfg, key=jax.random.key(0), compute=compute)}
     state["opt"] = eqx.filter_jit(train.init_opt)(state["model"], tcfg)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, tcfg.seq_len)), jnp.int32)
+    tokens = jnp.asarray(
+        np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, tcfg.seq_len)), jnp.int32
+    )
 
     def step():
-        state["model"], state["opt"], m = train.train_step(state["model"], state["opt"], tokens, jnp.float32(1e-4),
-                                                           cfg=tcfg, n_micro=n_micro)  # a fresh lr: it is donated
+        state["model"], state["opt"], m = train.train_step(
+            state["model"], state["opt"], tokens, jnp.float32(1e-4), cfg=tcfg, n_micro=n_micro
+        )  # a fresh lr: it is donated
         return float(m["loss"])
 
     return step
@@ -85,16 +99,26 @@ def hf_step(mcfg, seq, batch, compiled=False, bf16=False, checkpointing=False):
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = Olmo3Config(vocab_size=mcfg.padded_vocab, hidden_size=mcfg.d_model, intermediate_size=mcfg.mlp_hidden,
-                      num_hidden_layers=mcfg.n_layers, num_attention_heads=mcfg.n_heads,
-                      num_key_value_heads=mcfg.n_kv_heads, layer_types=list(mcfg.layer_types),
-                      sliding_window=mcfg.sliding_window, max_position_embeddings=seq, rms_norm_eps=1e-6)
+    cfg = Olmo3Config(
+        vocab_size=mcfg.padded_vocab,
+        hidden_size=mcfg.d_model,
+        intermediate_size=mcfg.mlp_hidden,
+        num_hidden_layers=mcfg.n_layers,
+        num_attention_heads=mcfg.n_heads,
+        num_key_value_heads=mcfg.n_kv_heads,
+        layer_types=list(mcfg.layer_types),
+        sliding_window=mcfg.sliding_window,
+        max_position_embeddings=seq,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(0)
     model = Olmo3ForCausalLM._from_config(cfg, attn_implementation="sdpa").to(dev)
     if checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda"
+    )
     tokens = torch.as_tensor(np.random.default_rng(0).integers(0, mcfg.vocab_size, (batch, seq)), device=dev)
     forward = torch.compile(model) if compiled else model
 
@@ -119,7 +143,11 @@ def measure(systems, mcfg, seq, steps):
         step()
         runs.append((name, tokens, step, time.perf_counter() - t0, []))
     losses = {name: [] for name, *_ in runs}
-    trace = jax.profiler.trace(PROFILE_DIR, create_perfetto_trace=True) if PROFILE_DIR else contextlib.nullcontext()
+    trace = (
+        jax.profiler.trace(PROFILE_DIR, create_perfetto_trace=True)
+        if PROFILE_DIR
+        else contextlib.nullcontext()
+    )
     with trace:  # where the time goes: open the trace in XProf, TensorBoard or Perfetto
         for _ in range(steps):
             for name, _, step, _, times in runs:
@@ -136,10 +164,12 @@ def measure(systems, mcfg, seq, steps):
 
 
 # What an XLA op is, by the names of its HLO instruction and kernel; the first match wins.
-OP_KINDS = [("attention", ("fmha", "sdpa", "flash", "splash", "cudnn")),
-            ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "dot", "ynn_fusion")),
-            ("collective", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective")),
-            ("copy/transpose", ("copy", "transpose", "memcpy", "memset"))]
+OP_KINDS = [
+    ("attention", ("fmha", "sdpa", "flash", "splash", "cudnn")),
+    ("matmul", ("gemm", "xmma", "cutlass", "cublas", "matmul", "dot", "ynn_fusion")),
+    ("collective", ("nccl", "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective")),
+    ("copy/transpose", ("copy", "transpose", "memcpy", "memset")),
+]
 
 
 def profile_summary(trace_dir, steps, wall_s=None):
@@ -151,10 +181,16 @@ def profile_summary(trace_dir, steps, wall_s=None):
     import gzip
 
     newest = max(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True), key=os.path.getmtime)
-    events = json.load(gzip.open(newest))["traceEvents"]
-    devices = {e["pid"] for e in events if e.get("name") == "process_name" and "/device:" in e["args"]["name"]}
-    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
-           and (not devices or e["pid"] in devices)]
+    with gzip.open(newest) as f:
+        events = json.load(f)["traceEvents"]
+    devices = {
+        e["pid"] for e in events if e.get("name") == "process_name" and "/device:" in e["args"]["name"]
+    }
+    ops = [
+        e
+        for e in events
+        if e.get("ph") == "X" and "hlo_op" in e.get("args", {}) and (not devices or e["pid"] in devices)
+    ]
     if not ops:
         return
     by_kind, by_op = collections.Counter(), collections.Counter()
@@ -182,6 +218,7 @@ def profile_summary(trace_dir, steps, wall_s=None):
 def peak_memory():
     try:
         import torch
+
         if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
             return max(torch.cuda.max_memory_allocated(), device_peak_memory())
     except ImportError:
@@ -196,13 +233,23 @@ def cpu_comparison(args):
     tcfg = train.PRESETS["tiny"]
     mcfg = train.model_config(tcfg)
     b, seq = tcfg.global_batch, tcfg.seq_len
-    print(f"CPU comparison: tiny preset, batch {b} x {seq}, fp32, {os.cpu_count()} cores "
-          f"(torch threads {torch.get_num_threads()}); median of {args.steps} interleaved steps")
+    print(
+        f"CPU comparison: tiny preset, batch {b} x {seq}, fp32, {os.cpu_count()} cores "
+        f"(torch threads {torch.get_num_threads()}); median of {args.steps} interleaved steps"
+    )
     header()
-    systems = [("olmo3-jax train_step (tiny preset)", b * seq, lambda: ours_step(mcfg, tcfg, b)),
-               ("transformers Olmo3 eager (sdpa), fp32", b * seq, lambda: hf_step(mcfg, seq, b))]
+    systems = [
+        ("olmo3-jax train_step (tiny preset)", b * seq, lambda: ours_step(mcfg, tcfg, b)),
+        ("transformers Olmo3 eager (sdpa), fp32", b * seq, lambda: hf_step(mcfg, seq, b)),
+    ]
     if args.compile:
-        systems.append(("transformers Olmo3 + torch.compile, fp32", b * seq, lambda: hf_step(mcfg, seq, b, compiled=True)))
+        systems.append(
+            (
+                "transformers Olmo3 + torch.compile, fp32",
+                b * seq,
+                lambda: hf_step(mcfg, seq, b, compiled=True),
+            )
+        )
     tps, _ = measure(systems, mcfg, seq, args.steps)
     ours = tps[systems[0][0]]
     print(f"ratio ours/transformers-eager = {ours / tps[systems[1][0]]:.2f}  (target >= 1.2)")
@@ -218,6 +265,7 @@ def alone(name, tokens, make, mcfg, seq, steps=5):
     gc.collect()
     try:
         import torch
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -231,8 +279,17 @@ def gpu_shapes(args):
     checks that the GPU script runs through, and measures nothing."""
     m, t = olmo3.PRESETS["7b"], train.PRESETS["7b"]
     if args.small:
-        m = dataclasses.replace(m, d_model=256, n_heads=4, n_kv_heads=4, head_dim=64, mlp_hidden=512, vocab_size=1024,
-                                sliding_window=64, max_seq_len=256)
+        m = dataclasses.replace(
+            m,
+            d_model=256,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=64,
+            mlp_hidden=512,
+            vocab_size=1024,
+            sliding_window=64,
+            max_seq_len=256,
+        )
         t = dataclasses.replace(t, seq_len=256)
     return m, t, dataclasses.replace(m, n_layers=8, layer_types=m.layer_types[:8])
 
@@ -244,23 +301,51 @@ def gpu_comparison(args):
         t8 = train.with_flag(dataclasses.replace(base, global_batch=1), "remat", "none")
         print(f"\n8 layers at 7B width, seq {seq}, batch 1, bf16 compute, fp32 weights + Adam")
         header()
-        ours, _ = alone("olmo3-jax (cudnn window, no remat)", seq, lambda: ours_step(train.model_config(t8, m8), t8, 1),
-                        m8, seq)
-        eager, _ = alone("transformers eager (sdpa, autocast bf16)", seq, lambda: hf_step(m8, seq, 1, bf16=True), m8, seq)
-        comp, _ = alone("transformers + torch.compile", seq, lambda: hf_step(m8, seq, 1, bf16=True, compiled=True),
-                        m8, seq)
+        ours, _ = alone(
+            "olmo3-jax (cudnn window, no remat)",
+            seq,
+            lambda: ours_step(train.model_config(t8, m8), t8, 1),
+            m8,
+            seq,
+        )
+        eager, _ = alone(
+            "transformers eager (sdpa, autocast bf16)", seq, lambda: hf_step(m8, seq, 1, bf16=True), m8, seq
+        )
+        comp, _ = alone(
+            "transformers + torch.compile",
+            seq,
+            lambda: hf_step(m8, seq, 1, bf16=True, compiled=True),
+            m8,
+            seq,
+        )
         print(f"ratio ours/transformers-eager = {ours / eager:.2f}")
         print(f"ratio ours/transformers-compiled = {ours / comp:.2f}  (target >= 1.35)")
     if args.only in ("all", "7b"):
         t7 = dataclasses.replace(base, global_batch=args.accumulate, microbatch=1)
         m7 = train.model_config(t7, m)
-        print(f"\nthe full 7B on one chip: microbatch 1 x {seq}, {args.accumulate} accumulated, remat {t7.compute.remat}")
+        print(
+            f"\nthe full 7B on one chip: microbatch 1 x {seq}, {args.accumulate} accumulated, remat {t7.compute.remat}"
+        )
         header()
-        ours, _ = alone(f"olmo3-jax 7b preset (remat {t7.compute.remat})", args.accumulate * seq,
-                        lambda: ours_step(m7, t7, args.accumulate, n_micro=args.accumulate), m7, seq, steps=3)
-        hf, _ = alone("transformers, gradient checkpointing", seq,
-                      lambda: hf_step(m, seq, 1, bf16=True, checkpointing=True), m7, seq, steps=3)
-        print(f"ratio ours/transformers-checkpointing = {ours / hf:.2f}  (target >= 1.9, and >= 9,800 tokens/s)")
+        ours, _ = alone(
+            f"olmo3-jax 7b preset (remat {t7.compute.remat})",
+            args.accumulate * seq,
+            lambda: ours_step(m7, t7, args.accumulate, n_micro=args.accumulate),
+            m7,
+            seq,
+            steps=3,
+        )
+        hf, _ = alone(
+            "transformers, gradient checkpointing",
+            seq,
+            lambda: hf_step(m, seq, 1, bf16=True, checkpointing=True),
+            m7,
+            seq,
+            steps=3,
+        )
+        print(
+            f"ratio ours/transformers-checkpointing = {ours / hf:.2f}  (target >= 1.9, and >= 9,800 tokens/s)"
+        )
     if args.only in ("all", "levers"):
         levers(args)
 
@@ -271,15 +356,20 @@ def levers(args):
     base = train.with_flag(dataclasses.replace(base, global_batch=1), "remat", "none")
     flag = functools.partial(train.with_flag, base)
     wide = f"{m8.n_heads // 2}x{m8.head_dim * 2}"  # 16x256 on the 7B: half the heads, twice as wide
-    variants = [("default: cudnn, remat none", base),
-                ("remat save_matmuls", flag("remat", "save_matmuls")),
-                ("remat save_attention", flag("remat", "save_attention")),
-                ("remat full", flag("remat", "full")),
-                ("fused loss in chunks of 1024", dataclasses.replace(base, loss_chunk=min(1024, base.seq_len // 2))),
-                ("scan_unroll 2", flag("scan_unroll", 2)),
-                ("attention reference (XLA)", flag("attention", "reference")),
-                (f"heads {wide} (cudnn)", dataclasses.replace(base, head_layout=wide)),
-                (f"heads {wide} (XLA)", train.with_flag(dataclasses.replace(base, head_layout=wide), "attention", "reference"))]
+    variants = [
+        ("default: cudnn, remat none", base),
+        ("remat save_matmuls", flag("remat", "save_matmuls")),
+        ("remat save_attention", flag("remat", "save_attention")),
+        ("remat full", flag("remat", "full")),
+        ("fused loss in chunks of 1024", dataclasses.replace(base, loss_chunk=min(1024, base.seq_len // 2))),
+        ("scan_unroll 2", flag("scan_unroll", 2)),
+        ("attention reference (XLA)", flag("attention", "reference")),
+        (f"heads {wide} (cudnn)", dataclasses.replace(base, head_layout=wide)),
+        (
+            f"heads {wide} (XLA)",
+            train.with_flag(dataclasses.replace(base, head_layout=wide), "attention", "reference"),
+        ),
+    ]
     print(f"\nlevers, 8 layers at 7B width, seq {base.seq_len}, batch 1")
     header()
     for name, tcfg in variants:
@@ -301,23 +391,39 @@ def determinism(args):
         tcfg = train.PRESETS["tiny"]
         mcfg = train.model_config(tcfg)
     tokens = tcfg.global_batch * tcfg.seq_len
-    runs = [alone(f"determinism run {i + 1}", tokens, lambda: ours_step(mcfg, tcfg, tcfg.global_batch), mcfg,
-                  tcfg.seq_len, steps=4)[1] for i in range(2)]
-    print(f"determinism: losses {'bitwise equal' if runs[0] == runs[1] else 'DIFFER'}: {runs[0]} vs {runs[1]}")
+    runs = [
+        alone(
+            f"determinism run {i + 1}",
+            tokens,
+            lambda: ours_step(mcfg, tcfg, tcfg.global_batch),
+            mcfg,
+            tcfg.seq_len,
+            steps=4,
+        )[1]
+        for i in range(2)
+    ]
+    print(
+        f"determinism: losses {'bitwise equal' if runs[0] == runs[1] else 'DIFFER'}: {runs[0]} vs {runs[1]}"
+    )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="tiny: the CPU comparison")
     parser.add_argument("--gpu", action="store_true", help="the H200 shapes")
-    parser.add_argument("--small", action="store_true", help="with --gpu: the same code at a CPU's size (a check)")
+    parser.add_argument(
+        "--small", action="store_true", help="with --gpu: the same code at a CPU's size (a check)"
+    )
     parser.add_argument("--only", default="all", choices=["all", "8layers", "7b", "levers"])
     parser.add_argument("--accumulate", type=int, default=8, help="microbatches per step for the full 7B")
     parser.add_argument("--compile", action="store_true", help="also torch.compile on CPU (slow to compile)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None, help="also write the rows here")
-    parser.add_argument("--nondeterministic", action="store_true",
-                        help="leave out --xla_gpu_deterministic_ops (GPU: the cost of determinism)")
+    parser.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="leave out --xla_gpu_deterministic_ops (GPU: the cost of determinism)",
+    )
     parser.add_argument("--profile", default=None, help="write a profiler trace of the timed steps here")
     args = parser.parse_args()
     PROFILE_DIR = args.profile

@@ -7,19 +7,44 @@ from transformers import Olmo3Config, Olmo3ForCausalLM
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def make_hf(path, *, vocab=300, d=64, layers=4, heads=4, kv_heads=4, mlp=96, window=8, types=None,
-            theta_sliding=10_000.0, theta_full=500_000.0, yarn=None, seed=0, save=True):
+def make_hf(
+    path,
+    *,
+    vocab=300,
+    d=64,
+    layers=4,
+    heads=4,
+    kv_heads=4,
+    mlp=96,
+    window=8,
+    types=None,
+    theta_sliding=10_000.0,
+    theta_full=500_000.0,
+    yarn=None,
+    seed=0,
+    save=True,
+):
     """Build a random HF model with randomised norm weights (init leaves them at 1, which hides bugs)."""
     torch.manual_seed(seed)
     full = {"rope_type": "default", "rope_theta": theta_full}
     if yarn:
         full = {"rope_type": "yarn", "rope_theta": theta_full, **yarn}
     cfg = Olmo3Config(
-        vocab_size=vocab, hidden_size=d, intermediate_size=mlp, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-        sliding_window=window, layer_types=types or [SLIDING if (i + 1) % 4 else FULL for i in range(layers)],
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        sliding_window=window,
+        layer_types=types or [SLIDING if (i + 1) % 4 else FULL for i in range(layers)],
         rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": theta_sliding}, FULL: full},
-        pad_token_id=0, eos_token_id=1, tie_word_embeddings=False, rms_norm_eps=1e-6)
+        pad_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
     model = Olmo3ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

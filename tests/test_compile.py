@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import olmo3
 import shard
@@ -21,26 +22,34 @@ import train
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name,topology,devices,kind", [
-    ("v5p-512", "v5p:4x8x8", 256, "TPU v5"),  # gcloud counts v5p's TensorCores: 256 chips
-    ("v6e-256", "v6e:16x16", 256, "TPU v6 lite"),
-    ("v5litepod-256", "v5e:16x16", 256, "TPU v5 lite"),
-    ("v4-128", "v4:4x4x4", 64, "TPU v4"),
-    ("tpu7x-128", "tpu7x:4x4x4", 128, "TPU7x"),  # Ironwood: 64 chips, two devices each
-    ("v5p:8x8x4", "v5p:8x8x4", 256, "TPU v5"),
-    ("TPU7x:2x2x1", "tpu7x:2x2x1", 8, "TPU7x"),
-])
+@pytest.mark.parametrize(
+    "name,topology,devices,kind",
+    [
+        ("v5p-512", "v5p:4x8x8", 256, "TPU v5"),  # gcloud counts v5p's TensorCores: 256 chips
+        ("v6e-256", "v6e:16x16", 256, "TPU v6 lite"),
+        ("v5litepod-256", "v5e:16x16", 256, "TPU v5 lite"),
+        ("v4-128", "v4:4x4x4", 64, "TPU v4"),
+        ("tpu7x-128", "tpu7x:4x4x4", 128, "TPU7x"),  # Ironwood: 64 chips, two devices each
+        ("v5p:8x8x4", "v5p:8x8x4", 256, "TPU v5"),
+        ("TPU7x:2x2x1", "tpu7x:2x2x1", 8, "TPU7x"),
+    ],
+)
 def test_slices_by_the_names_gcloud_takes(name, topology, devices, kind):
     target = shard.compile_target(name)
     assert (target.topology, len(target.devices)) == (topology, devices)
-    assert {d.device_kind for d in target.devices} == {kind} and {d.platform for d in target.devices} == {"tpu"}
+    assert {d.device_kind for d in target.devices} == {kind} and {d.platform for d in target.devices} == {
+        "tpu"
+    }
     two = shard.compile_target(name, num_slices=2)
     assert len(two.devices) == 2 * devices and {d.slice_index for d in two.devices} == {0, 1}
 
 
 def test_slice_names_that_are_not_slices_are_refused():
-    for bad, hint in [("v5p-100", "not a power-of-two slice of v5p"), ("v9-8", "expected an accelerator type"),
-                      ("v5p:4xfour", "expected a topology such as")]:
+    for bad, hint in [
+        ("v5p-100", "not a power-of-two slice of v5p"),
+        ("v9-8", "expected an accelerator type"),
+        ("v5p:4xfour", "expected a topology such as"),
+    ]:
         with pytest.raises(ValueError, match=f"--topology '{bad}': .*{hint}"):
             shard.compile_target(bad)
 
@@ -67,34 +76,63 @@ def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_ten
     model_cfg = train.model_config(cfg, dataclasses.replace(olmo3.PRESETS["tiny"], n_kv_heads=2))
     compute = train.compute_policy(cfg, mesh)
     assert compute.attention == "splash"  # chosen for the devices compiled for, not for this CPU
-    compiled, (params, opt, batch) = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)
+    compiled, inputs = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)
+    params, opt, batch = inputs.values()
     hlo = compiled.as_text()
     calls = re.findall(r'custom_call_target="tpu_custom_call".*?op_name="([^"]*)"', hlo, re.DOTALL)
-    kernels = [re.search(r"attention/shard_map/.*/(splash_mha_[a-z_]+?)/pallas_call", c).group(1) for c in calls]
+    kernels = [
+        re.search(r"attention/shard_map/.*/(splash_mha_[a-z_]+?)/pallas_call", c).group(1) for c in calls
+    ]
     # The scan runs one group of 4 layers: 4 forward kernels, and 4 fused backward ones (dq, dk, dv in one).
     assert sorted(kernels) == ["splash_mha_dkv_no_residuals"] * 4 + ["splash_mha_fwd_residuals"] * 4, kernels
     mem = compiled.memory_analysis()
-    per_device = lambda tree: sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                                  for x in jax.tree.leaves(tree))
+    per_device = lambda tree: sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
     assert mem.argument_size_in_bytes == pytest.approx(per_device((params, opt, batch)), rel=0.01)
     assert mem.alias_size_in_bytes >= per_device((params, opt)) * 0.99  # donated: updated in place
     assert 0 < mem.temp_size_in_bytes < target.hbm_per_device
 
 
 def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_noise(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="")  # as a user runs it: train.py itself keeps the backend on the CPU
-    args = ["--preset", "tiny", "--dry_run", "--topology", "v5litepod-4", "--mesh", "fsdp=2,tensor=2",
-            "--dtype", "bfloat16", "--run_dir", str(tmp_path / "run")]
-    out = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    env = dict(
+        os.environ, JAX_PLATFORMS=""
+    )  # as a user runs it: train.py itself keeps the backend on the CPU
+    args = [
+        "--preset",
+        "tiny",
+        "--dry_run",
+        "--topology",
+        "v5litepod-4",
+        "--mesh",
+        "fsdp=2,tensor=2",
+        "--dtype",
+        "bfloat16",
+        "--run_dir",
+        str(tmp_path / "run"),
+    ]
+    out = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.strip() == "", out.stderr[-3000:]  # no TPU_ACCELERATOR_TYPE / worker-hostname warnings
-    table = out.stdout[out.stdout.index("dry run:"):]
-    assert "v5litepod-4 (v5e:2x2), 4 devices of TPU v5 lite, mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in table
+    table = out.stdout[out.stdout.index("dry run:") :]
+    assert (
+        "v5litepod-4 (v5e:2x2), 4 devices of TPU v5 lite, mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in table
+    )
     assert "attention 'splash'" in table
-    rows = {line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")}
-    assert list(rows) == ["parameters (fp32)", "optimizer state (fp32)", "batch", "activations + temporaries",
-                          "generated code", "total", "HBM"]
+    rows = {
+        line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")
+    }
+    assert list(rows) == [
+        "parameters (fp32)",
+        "optimizer state (fp32)",
+        "batch",
+        "activations + temporaries",
+        "generated code",
+        "total",
+        "HBM",
+    ]
     assert rows["HBM"] == 15.75
     spare = rows["HBM"] - rows["total"]
     assert f"fits, with {spare:.1f} GiB to spare" in table

@@ -40,17 +40,30 @@ def write_token_files(folder, lengths=LENGTHS, dtype=np.uint32, vocab=DOLMA2_VOC
 def numpy_instances(paths, dtype=np.uint32, seq=SEQ):
     """Instances cut with plain numpy: each file on its own, remainders dropped."""
     tokens = [np.fromfile(p, dtype) for p in paths]
-    return np.array([t[k * seq:(k + 1) * seq] for t in tokens for k in range(len(t) // seq)])
+    return np.array([t[k * seq : (k + 1) * seq] for t in tokens for k in range(len(t) // seq)])
 
 
 def olmo_core_loader(paths, dtype, vocab, batch, seed, work_dir, world=1, rank=0, epoch=1, seq=SEQ):
     from olmo_core.data import DataCollator, NumpyFSLDataLoader, NumpyFSLDataset
 
-    dataset = NumpyFSLDataset(*paths, sequence_length=seq, pad_token_id=vocab - 1, eos_token_id=vocab - 2,
-                              vocab_size=vocab, dtype=dtype)
+    dataset = NumpyFSLDataset(
+        *paths,
+        sequence_length=seq,
+        pad_token_id=vocab - 1,
+        eos_token_id=vocab - 2,
+        vocab_size=vocab,
+        dtype=dtype,
+    )
     dataset.work_dir = work_dir
-    loader = NumpyFSLDataLoader(dataset, collator=DataCollator(pad_token_id=vocab - 1), work_dir=work_dir,
-                                global_batch_size=batch * seq, seed=seed, dp_world_size=world, dp_rank=rank)
+    loader = NumpyFSLDataLoader(
+        dataset,
+        collator=DataCollator(pad_token_id=vocab - 1),
+        work_dir=work_dir,
+        global_batch_size=batch * seq,
+        seed=seed,
+        dp_world_size=world,
+        dp_rank=rank,
+    )
     loader.reshuffle(epoch=epoch)
     return loader
 
@@ -102,8 +115,9 @@ def test_dtype_rule_and_mix_file_match_olmo_core():
     from olmo_core.data import DataMix, NumpyFSLDatasetConfig, TokenizerConfig
 
     for vocab in (256, 257, 8192, 50280, 65536, 65537, DOLMA2_VOCAB):
-        config = NumpyFSLDatasetConfig(tokenizer=TokenizerConfig(vocab, eos_token_id=0, pad_token_id=1),
-                                       sequence_length=8)
+        config = NumpyFSLDatasetConfig(
+            tokenizer=TokenizerConfig(vocab, eos_token_id=0, pad_token_id=1), sequence_length=8
+        )
         assert data.dtype_for_vocab(vocab) == config.get_dtype()
     ref_paths, _ = DataMix.OLMo_mix_0625_official.build("/mnt/olmo-data", TokenizerConfig.dolma2().identifier)
     mix = os.path.join(os.path.dirname(olmo_core.__file__), "data", "mixes", "OLMo-mix-0625-official.txt")
@@ -120,7 +134,7 @@ def test_instances_are_file_slices_and_local_batches_reassemble(tmp_path):
     for j, instance in enumerate(expected):
         np.testing.assert_array_equal(loader.instance(j), instance)
     for i in range(loader.num_batches):
-        batch = expected[loader.indices[i * 8:(i + 1) * 8]]
+        batch = expected[loader.indices[i * 8 : (i + 1) * 8]]
         np.testing.assert_array_equal(loader.global_batch(i), batch)
         for world in (1, 2, 4, 8):
             rebuilt = np.zeros_like(batch)
@@ -136,8 +150,10 @@ def test_two_loaders_and_another_process_agree(tmp_path):
     np.testing.assert_array_equal(batches, np.stack([b.global_batch(i) for i in range(b.num_batches)]))
     # A fresh process, as after a restart, resumes at batch 5 from nothing but that number.
     out = str(tmp_path / "out.npy")
-    script = (f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, work_dir={work!r}); "
-              f"np.save({out!r}, np.stack([l.global_batch(i) for i in range(5, l.num_batches)]))")
+    script = (
+        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, work_dir={work!r}); "
+        f"np.save({out!r}, np.stack([l.global_batch(i) for i in range(5, l.num_batches)]))"
+    )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
     np.testing.assert_array_equal(np.load(out), batches[5:])
 
@@ -174,8 +190,11 @@ def test_fingerprint_mismatch_names_what_changed(tmp_path):
     assert "seq_len: 64 -> 32" in str(e.value) and "global_batch_size: 4 -> 8" in str(e.value)
     with open(paths[2], "ab") as f:
         f.write(b"\0" * 4)
-    with pytest.raises(ValueError, match=r"files: 7 -> 7 files, first difference at #2: "
-                                         r"\['000002.npy', 2052\] -> \['000002.npy', 2056\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"files: 7 -> 7 files, first difference at #2: "
+        r"\['000002.npy', 2052\] -> \['000002.npy', 2056\]",
+    ):
         data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
     with pytest.raises(ValueError, match=r"files: 7 -> 6 files, first difference at #6: .* -> None"):
         data.check_fingerprint(saved, data.TokenLoader(moved[:6], SEQ, 4).fingerprint)
@@ -185,14 +204,17 @@ def test_batch_hash_definition_additivity_and_sensitivity(tmp_path):
     loader = data.TokenLoader(write_token_files(tmp_path), SEQ, 8)
     batch = loader.global_batch(0)
     # The definition in plain hashlib, so that any framework can recompute it.
-    rows = [hashlib.blake2b(r.to_bytes(8, "little") + row.astype("<u4").tobytes(), digest_size=8).digest()
-            for r, row in enumerate(batch)]
+    rows = [
+        hashlib.blake2b(r.to_bytes(8, "little") + row.astype("<u4").tobytes(), digest_size=8).digest()
+        for r, row in enumerate(batch)
+    ]
     expected = sum(int.from_bytes(h, "little") for h in rows) % 2**64
     assert data.batch_hash(batch) == expected and data.format_hash(expected) == f"{expected:016x}"
     assert data.batch_hash(batch.astype(np.int32)) == expected  # a hash of ids, whatever their dtype
     for world in (2, 4):
-        parts = [data.batch_hash(loader.local_batch(0, r, world), loader.row_ids(r, world))
-                 for r in range(world)]
+        parts = [
+            data.batch_hash(loader.local_batch(0, r, world), loader.row_ids(r, world)) for r in range(world)
+        ]
         assert sum(parts) % 2**64 == expected
     changed = [batch.copy() for _ in range(3)]
     changed[0][3, 5] += 1
@@ -214,8 +236,11 @@ def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
         data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4)
     with pytest.raises(ValueError, match=r"empty mix"):
         data.TokenLoader([], SEQ, 4)
-    with pytest.raises(ValueError, match=r"seq_len 4096 is longer than every token file; "
-                                         r"the longest, .*000003\.npy, has 2048 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"seq_len 4096 is longer than every token file; "
+        r"the longest, .*000003\.npy, has 2048 tokens",
+    ):
         data.TokenLoader(paths, 4096, 4)
     with pytest.raises(ValueError, match=r"69 instances of 64 tokens do not fill one global batch of 70"):
         data.TokenLoader(paths, SEQ, 70)
@@ -242,8 +267,13 @@ def test_check_scans_every_token(tmp_path):
     data.TokenLoader([path], SEQ, 4, dtype=np.uint16, vocab_size=8192)
     with pytest.raises(ValueError, match=r"0\.npy: token 150001 has id 9000, not below vocab_size 8192"):
         data.check_tokens([path], 8192)
-    cli = subprocess.run([sys.executable, "data.py", "check", path, "--vocab_size", "8192"], cwd=ROOT,
-                         capture_output=True, text=True, check=False)
+    cli = subprocess.run(
+        [sys.executable, "data.py", "check", path, "--vocab_size", "8192"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert cli.returncode != 0 and "token 150001 has id 9000" in cli.stderr
 
 
@@ -288,10 +318,19 @@ def test_prepare_tiny_writes_the_plays_and_is_idempotent(tiny, tmp_path):
     for a, b in [(tiny["tokenizer"], again["tokenizer"]), *zip(tiny["train"], again["train"])]:
         with open(a, "rb") as fa, open(b, "rb") as fb:
             assert fa.read() == fb.read()
-    args = ["inspect", *tiny["val"], "--tokenizer", "tiny", "--tokenizer_path", tiny["tokenizer"],
-            "--seq_len", "512"]
-    cli = subprocess.run([sys.executable, "data.py", *args], cwd=ROOT, capture_output=True, text=True,
-                         check=False)
+    args = [
+        "inspect",
+        *tiny["val"],
+        "--tokenizer",
+        "tiny",
+        "--tokenizer_path",
+        tiny["tokenizer"],
+        "--seq_len",
+        "512",
+    ]
+    cli = subprocess.run(
+        [sys.executable, "data.py", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
     assert cli.returncode == 0, cli.stderr
     assert f"{tiny['val_tokens'] // 512:,} instances of 512 tokens" in cli.stdout and "uint16" in cli.stdout
     assert plays["val"][0][:100] in cli.stdout
@@ -313,8 +352,10 @@ def write_sources(folder, docs, kind):
     return [src]
 
 
-@pytest.mark.parametrize("kind, tokenizer, num_proc", [("txt", "dolma2", None), ("jsonl", "dolma2", 2),
-                                                         ("parquet", "tiny", None), ("disk", "dolma2", None)])
+@pytest.mark.parametrize(
+    "kind, tokenizer, num_proc",
+    [("txt", "dolma2", None), ("jsonl", "dolma2", 2), ("parquet", "tiny", None), ("disk", "dolma2", None)],
+)
 def test_tokenize_round_trip(tmp_path, tiny, kind, tokenizer, num_proc):
     docs = data.tiny_plays()["val"][:1]  # longer than part_tokens: the next document starts a new file
     docs += ["First document.\nTwo lines.\n", "naïve café 東京 🙂", "<|endoftext|> is text", " ", "x" * 5000]

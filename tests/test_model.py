@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_models import FULL, SLIDING, hf_logits, make_hf, markov_tokens, train_briefly
 from transformers import Olmo3ForCausalLM
 
 import ckpt
 import olmo3
-from hf_models import FULL, SLIDING, hf_logits, make_hf, markov_tokens, train_briefly
 
 SEQ = 40
 YARN = {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -126,7 +126,10 @@ def test_attention_equals_brute_force(window, impl):
 def test_local_attention_gradients_equal_the_reference():
     rng = np.random.default_rng(2)
     q, k, v, g = (jnp.asarray(rng.standard_normal((2, 32, n, 8)), jnp.float32) for n in (4, 2, 2, 4))
-    grads = {impl: jax.vjp(lambda *a: olmo3.attention(*a, 8, impl), q, k, v)[1](g) for impl in ("reference", "local")}
+    grads = {
+        impl: jax.vjp(lambda *a: olmo3.attention(*a, 8, impl), q, k, v)[1](g)
+        for impl in ("reference", "local")
+    }
     for ref, local in zip(grads["reference"], grads["local"]):
         np.testing.assert_allclose(local, ref, rtol=1e-5, atol=1e-5)
 
@@ -136,11 +139,13 @@ def test_splash_kernel_equals_reference():
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((256, n, 64)), jnp.float32) for n in (4, 2, 2))
     for window in (None, 64):
-        np.testing.assert_allclose(olmo3.attention(q, k, v, window, "splash"),
-                                   olmo3.attention(q, k, v, window), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(
+            olmo3.attention(q, k, v, window, "splash"), olmo3.attention(q, k, v, window), rtol=2e-5, atol=2e-5
+        )
     batch = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]  # a batch runs the kernel once per sequence
-    np.testing.assert_allclose(olmo3.attention(*batch, 64, "splash"), olmo3.attention(*batch, 64),
-                               rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        olmo3.attention(*batch, 64, "splash"), olmo3.attention(*batch, 64), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_cudnn_refuses_fp32():
@@ -161,7 +166,7 @@ def test_causality_and_window():
     # Each sliding layer reaches W-1 tokens back, so L layers reach L(W-1): past that, token 0 is invisible.
     reach = cfg.n_layers * (cfg.sliding_window - 1)
     changed = np.asarray(model(ids.at[0].set((ids[0] + 1) % 8192)))
-    assert (changed[reach + 1:] == base[reach + 1:]).all()
+    assert (changed[reach + 1 :] == base[reach + 1 :]).all()
     assert not np.allclose(changed[reach], base[reach])
 
 
@@ -200,8 +205,10 @@ def test_wrong_input_shape_is_a_type_error():
         model(jnp.zeros(8, jnp.float32))
 
 
-@pytest.mark.parametrize("name,count", [("7b", 7_298_617_344), ("32b", 32_234_279_936),
-                                        ("1b", 1_484_916_736), ("190m", 267_424_512)])
+@pytest.mark.parametrize(
+    "name,count",
+    [("7b", 7_298_617_344), ("32b", 32_234_279_936), ("1b", 1_484_916_736), ("190m", 267_424_512)],
+)
 def test_preset_parameter_counts(name, count):
     cfg = olmo3.PRESETS[name]
     abstract = eqx.filter_eval_shape(olmo3.Olmo3, cfg, key=jax.random.key(0))
@@ -221,7 +228,9 @@ def test_non_periodic_pattern_is_refused():
     irregular = (SLIDING, SLIDING, SLIDING, FULL) * 2 + (SLIDING, FULL, SLIDING, SLIDING)
     with pytest.raises(ValueError, match="not a repeating pattern"):
         dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=irregular)
-    assert dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=(SLIDING, FULL) * 6).period == 2
+    assert (
+        dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=(SLIDING, FULL) * 6).period == 2
+    )
 
 
 def test_greedy_sampling_matches_transformers_generate(tmp_path):
@@ -275,11 +284,16 @@ def test_load_hf_names_missing_extra_and_misshapen_tensors(tmp_path):
     with pytest.raises(ValueError, match=r"missing tensors \['model.layers.2.mlp.up_proj.weight'\]"):
         ckpt.load_hf(tmp_path)
     make_hf(tmp_path / "b")
-    rewrite_weights(tmp_path / "b", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
+    rewrite_weights(
+        tmp_path / "b", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})
+    )
     with pytest.raises(ValueError, match="unexpected tensors.*q_proj.bias"):
         ckpt.load_hf(tmp_path / "b")
     make_hf(tmp_path / "c")
-    rewrite_weights(tmp_path / "c", lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}))
+    rewrite_weights(
+        tmp_path / "c",
+        lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}),
+    )
     with pytest.raises(ValueError, match=r"k_proj.weight has shape \[32, 64\], expected \[64, 64\]"):
         ckpt.load_hf(tmp_path / "c")
 

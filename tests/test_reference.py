@@ -12,15 +12,30 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The benchmark's code path at a size two busy CPU cores run in about 1.5 minutes: 6 steps of 2 x 64 tokens,
 # sliding window 16, warmup 2 then cosine, the skip rule live from step 2; held-out at 64 and 256 tokens.
-SMALL = {"steps": 6, "batch": 2, "seq_len": 64, "window": 16, "warmup": 2, "skip_window": 4, "eval_tokens": 512,
-         "eval_len": 256}
+SMALL = {
+    "steps": 6,
+    "batch": 2,
+    "seq_len": 64,
+    "window": 16,
+    "warmup": 2,
+    "skip_window": 4,
+    "eval_tokens": 512,
+    "eval_len": 256,
+}
 
 
 def run_reference(out: Path, ours: list[str] = (), **sizes):
     flags = [f"--{k}={v}" for k, v in {**SMALL, **sizes}.items()] + [f"--ours={o}" for o in ours]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as the benchmark runs
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "reference.py"), f"--out={out}", *flags],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "reference.py"), f"--out={out}", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert (out / "reference.json").exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc, json.loads((out / "reference.json").read_text())
 

@@ -24,8 +24,26 @@ import train
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
-FLAGS = ["--preset", "tiny", "--seq_len", "64", "--global_batch", "4", "--steps", str(STEPS), "--lr_horizon",
-         str(STEPS), "--warmup_steps", "3", "--ckpt_every", "3", "--eval_every", "1000", "--samples", "0"]
+FLAGS = [
+    "--preset",
+    "tiny",
+    "--seq_len",
+    "64",
+    "--global_batch",
+    "4",
+    "--steps",
+    str(STEPS),
+    "--lr_horizon",
+    str(STEPS),
+    "--warmup_steps",
+    "3",
+    "--ckpt_every",
+    "3",
+    "--eval_every",
+    "1000",
+    "--samples",
+    "0",
+]
 
 pytestmark = pytest.mark.slow
 
@@ -34,22 +52,40 @@ pytestmark = pytest.mark.slow
 def env(tmp_path_factory):
     # A shared compilation cache makes each restarted process start in seconds.
     cache = tmp_path_factory.mktemp("jax-cache")
-    return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
 
 
 def run(env, run_dir, data_root, *extra, fault="none:0", wait=True):
-    cmd = [sys.executable, str(ROOT / "tests" / "faults.py"), fault, *FLAGS, "--run_dir", str(run_dir),
-           "--data_root", str(data_root), *extra]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "faults.py"),
+        fault,
+        *FLAGS,
+        "--run_dir",
+        str(run_dir),
+        "--data_root",
+        str(data_root),
+        *extra,
+    ]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def rows(run_dir, kind="loss") -> list[dict]:
     """The train rows of metrics.jsonl (or, with kind="eval_loss", the eval rows)."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-            if f'"{kind}"' in line]
+    return [
+        json.loads(line)
+        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+        if f'"{kind}"' in line
+    ]
 
 
 def final_model(run_dir, step=STEPS):
@@ -221,12 +257,16 @@ def test_changed_recipe_is_refused_unless_allowed(env, tiny_data, reference, tmp
     assert [r["step"] for r in rows(run_dir)][-2:] == [13, 14]
 
 
-def test_disk_full_stops_the_run_naming_the_save_and_keeps_the_last_checkpoint(env, tiny_data, reference, tmp_path):
+def test_disk_full_stops_the_run_naming_the_save_and_keeps_the_last_checkpoint(
+    env, tiny_data, reference, tmp_path
+):
     out = run(env, tmp_path, tiny_data, fault="disk_full:6")
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]  # one line: the step, the path, the cause
-    assert last.startswith(f"error: saving checkpoint 6 to {tmp_path / 'checkpoints' / '6'} failed: ") and \
-        "File too large" in last, out.stderr[-3000:]
+    assert (
+        last.startswith(f"error: saving checkpoint 6 to {tmp_path / 'checkpoints' / '6'} failed: ")
+        and "File too large" in last
+    ), out.stderr[-3000:]
     assert ckpt.Checkpoints(tmp_path).steps() == [3]  # 6 never committed; 3 untouched ...
     assert not list((tmp_path / "checkpoints").glob("6.orbax-checkpoint-tmp*"))  # ... and no half of 6 left
     assert "saving checkpoint 6 failed" in (tmp_path / "log.txt").read_text()
@@ -244,16 +284,30 @@ def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(env, tiny_data, re
     goes away, then resumed where there is room."""
     disk, saved = tmp_path / "disk", tmp_path / "saved"
     disk.mkdir()
-    cmd = " ".join([sys.executable, str(ROOT / "tests" / "faults.py"), "none:0", *FLAGS, "--run_dir", f"{disk}/run",
-                    "--data_root", str(tiny_data)])
-    script = f"mount -t tmpfs -o size=100m tmpfs {disk} && {{ {cmd}; echo exit=$?; cp -r {disk}/run {saved}; }}"
-    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
+    cmd = " ".join(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "faults.py"),
+            "none:0",
+            *FLAGS,
+            "--run_dir",
+            f"{disk}/run",
+            "--data_root",
+            str(tiny_data),
+        ]
+    )
+    script = (
+        f"mount -t tmpfs -o size=100m tmpfs {disk} && {{ {cmd}; echo exit=$?; cp -r {disk}/run {saved}; }}"
+    )
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     if "exit=" not in out.stdout:
         pytest.skip(f"no private tmpfs here (unshare -rm): {out.stderr[-300:]}")
     assert "exit=1" in out.stdout, out.stderr[-3000:]
-    assert out.stderr.strip().splitlines()[-1] == (f"error: saving checkpoint 6 to {disk}/run/checkpoints/6 failed: "
-                                                   "No space left on device (errno 28)"), out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: saving checkpoint 6 to {disk}/run/checkpoints/6 failed: No space left on device (errno 28)"
+    ), out.stderr[-3000:]
     assert sorted(p.name for p in (saved / "checkpoints").iterdir()) == ["3"]  # no half-written 6 left
     out = run(env, saved, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -267,16 +321,22 @@ def test_a_second_process_on_the_run_directory_is_refused_at_once(env, tiny_data
     t0 = time.time()
     second = run(env, tmp_path, tiny_data)
     assert second.returncode == 1 and time.time() - t0 < 60
-    assert second.stderr.strip().splitlines()[-1].startswith(
-        f"error: {tmp_path} is in use by process {first.pid} (since "), second.stderr[-2000:]
+    assert (
+        second.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: {tmp_path} is in use by process {first.pid} (since ")
+    ), second.stderr[-2000:]
     first.communicate(timeout=300)
     assert first.returncode == 0
     assert_same_as_reference(tmp_path, reference)  # the second one wrote nothing
 
 
 def test_a_lock_held_on_another_host_is_refused_and_nothing_is_written(env, tiny_data, tmp_path):
-    (tmp_path / "lock").write_text(json.dumps({"host": "node-7", "pid": 4242, "started": "1", "job": "x",
-                                               "since": "2026-11-30 09:00:00"}))
+    (tmp_path / "lock").write_text(
+        json.dumps(
+            {"host": "node-7", "pid": 4242, "started": "1", "job": "x", "since": "2026-11-30 09:00:00"}
+        )
+    )
     out = run(env, tmp_path, tiny_data)
     assert out.returncode == 1 and f"{tmp_path} is in use by process 4242 on host node-7" in out.stderr
     assert f"remove {tmp_path / 'lock'}" in out.stderr
@@ -321,7 +381,7 @@ def test_refused_resume_and_dry_run_leave_the_run_directory_as_it_was(env, tiny_
 def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(env, tiny_data, tmp_path):
     import data
 
-    tokens = np.fromfile(tiny_data / "train" / "part-00000.npy", np.uint16)[:64 * 400].copy()
+    tokens = np.fromfile(tiny_data / "train" / "part-00000.npy", np.uint16)[: 64 * 400].copy()
     tokens[64 * 300 + 5] = 9000  # past the first 4096 tokens (which the start-up check reads) and the vocab
     bad = tmp_path / "bad.npy"
     tokens.tofile(bad)
@@ -331,7 +391,8 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == (
         f"error: {bad}: token {64 * 300 + 5} has id 9000, not below the vocabulary of 8192; `python data.py check "
-        f"{bad} --vocab_size 8192` scans every token (another tokenizer? a file of another dtype?)")
+        f"{bad} --vocab_size 8192` scans every token (another tokenizer? a file of another dtype?)"
+    )
     assert len(rows(tmp_path / "run")) <= step  # it stopped at the batch, before training on it
 
 
@@ -366,7 +427,9 @@ def test_restore_onto_another_mesh_is_bitwise(tmp_path):
         like_opt = shard.abstract(abstract_opt, o_sh)
         got_model, got_train, meta = ckpt.Checkpoints(tmp_path).read(5, like_model, {"opt": like_opt})
         assert meta["note"] == "8 devices"
-        for a, b in zip(jax.tree.leaves((model, opt)), jax.tree.leaves((got_model, got_train["opt"])), strict=True):
+        for a, b in zip(
+            jax.tree.leaves((model, opt)), jax.tree.leaves((got_model, got_train["opt"])), strict=True
+        ):
             if isinstance(a, jax.Array):
                 assert np.array_equal(np.asarray(a), np.asarray(b)), spec
                 assert b.sharding.mesh.size == shard.make_mesh(spec).size
@@ -391,13 +454,16 @@ def test_keep_last_below_two_is_refused(tmp_path):
 
 
 def ckpt_cli(*args):
-    return subprocess.run([sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def tree(path: Path) -> dict:
     """Every file and folder under path, with its bytes and modification time: to check a command wrote nothing."""
-    return {p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+    return {
+        p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))
+    }
 
 
 def test_list_shows_steps_and_validity_and_writes_nothing(reference, tmp_path):
@@ -420,12 +486,16 @@ def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_
     for args in [("list", tmp_path / "typo"), ("to-hf", tmp_path / "typo", tmp_path / "out")]:
         out = ckpt_cli(*args)
         assert out.returncode == 1
-        assert out.stderr.strip() == f"error: {tmp_path / 'typo' / 'checkpoints'} does not exist: is {tmp_path / 'typo'} " \
-            "a run directory?", out.stderr
+        assert (
+            out.stderr.strip()
+            == f"error: {tmp_path / 'typo' / 'checkpoints'} does not exist: is {tmp_path / 'typo'} "
+            "a run directory?"
+        ), out.stderr
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     out = ckpt_cli("to-hf", tmp_path / "empty", tmp_path / "out")
     assert out.returncode == 1 and out.stderr.strip() == (
-        f"error: {tmp_path / 'empty' / 'checkpoints'} has no checkpoint (steps: [])"), out.stderr
+        f"error: {tmp_path / 'empty' / 'checkpoints'} has no checkpoint (steps: [])"
+    ), out.stderr
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "empty"]
 
 
@@ -449,7 +519,9 @@ def test_to_hf_exports_what_transformers_loads_with_its_tokenizer(reference, tmp
     # The run's own tokenizer travels with the weights (the tiny preset's, trained on Shakespeare).
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = data.tiny_plays()["val"][0][:5000]
-    assert tokenizer(text)["input_ids"] == data.get_tokenizer("tiny", str(reference[0] / "tokenizer.json")).encode(text)
+    assert tokenizer(text)["input_ids"] == data.get_tokenizer(
+        "tiny", str(reference[0] / "tokenizer.json")
+    ).encode(text)
     assert tokenizer.eos_token_id == cfg.eos_token_id
 
 

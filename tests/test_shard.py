@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 import data
@@ -170,8 +171,9 @@ def test_splash_runs_per_shard_on_every_layout(spec):
     mesh = shard.make_mesh(spec)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((4, 256, n, 16)).astype(np.float32) for n in (8, 4, 4))
-    put = lambda x, heads: jax.device_put(x, NamedSharding(mesh, shard.spec(("batch", "seq", heads, "head_dim"),
-                                                                              x.shape, mesh)))
+    put = lambda x, heads: jax.device_put(
+        x, NamedSharding(mesh, shard.spec(("batch", "seq", heads, "head_dim"), x.shape, mesh))
+    )
     loss = lambda impl, layout: lambda q, k, v: (olmo3.attention(q, k, v, 64, impl, layout) ** 2).sum()
     sharded = jax.value_and_grad(loss("splash", shard.Layout(mesh)), argnums=(0, 1, 2))
     assert "shard_map" in str(jax.make_jaxpr(sharded)(q, k, v))
@@ -215,12 +217,19 @@ def tiny_runs(tiny_data):
     """(run, the single-device run, the initial parameters): run(spec) takes STEPS tiny-preset train steps
     on real Shakespeare batches, as train.main does, from the same initial parameters."""
     cfg = TINY
-    loader = data.TokenLoader(data.prepare_tiny(str(tiny_data))["train"], cfg.seq_len, cfg.global_batch,
-                              seed=cfg.seed, dtype=np.uint16)
+    loader = data.TokenLoader(
+        data.prepare_tiny(str(tiny_data))["train"],
+        cfg.seq_len,
+        cfg.global_batch,
+        seed=cfg.seed,
+        dtype=np.uint16,
+    )
     batches = [loader.global_batch(i) for i in range(STEPS)]
     mcfg = train.model_config(cfg)
     compute = train.compute_policy(cfg, shard.make_mesh("data=1"))  # the kernel a CPU run uses: "local"
-    model0 = eqx.filter_jit(lambda key: olmo3.Olmo3(mcfg, key=key, compute=compute))(jax.random.key(cfg.init_seed))
+    model0 = eqx.filter_jit(lambda key: olmo3.Olmo3(mcfg, key=key, compute=compute))(
+        jax.random.key(cfg.init_seed)
+    )
     init = arrays(model0)
 
     def run(spec):
@@ -241,15 +250,21 @@ def tiny_runs(tiny_data):
         for k, rows in enumerate(batches, start=1):  # these calls reuse the compiled step
             model, opt, m = train.train_step(model, opt, put(rows), jnp.float32(train.lr_at(k, cfg)), **kw)
             metrics.append({name: float(v) for name, v in m.items()})
-        return dict(metrics=metrics, params=arrays(model), opt=arrays(opt), devices=mesh.size if mesh else 1,
-                    flops=compiled.compiled.cost_analysis()["flops"])
+        return dict(
+            metrics=metrics,
+            params=arrays(model),
+            opt=arrays(opt),
+            devices=mesh.size if mesh else 1,
+            flops=compiled.compiled.cost_analysis()["flops"],
+        )
 
     return run, run("single"), init
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2",
-                                  "fsdp=2,tensor=4"])
+@pytest.mark.parametrize(
+    "spec", ["data=8", "fsdp=8", "data=2,fsdp=2,tensor=2", "fsdp=4,tensor=2", "fsdp=2,tensor=4"]
+)
 def test_sharded_train_steps_equal_the_single_device_run(tiny_runs, spec):
     run, single, _ = tiny_runs
     got = run(spec)
@@ -261,7 +276,10 @@ def test_sharded_train_steps_equal_the_single_device_run(tiny_runs, spec):
     # entries up to ~1.3e-5 on any mesh, pure data parallelism included; a miscompiled layout is ~1e-2 off).
     for name, b in single["opt"].items():
         a = got["opt"][name]
-        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), (name, np.linalg.norm(a - b) / np.linalg.norm(b))
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b), (
+            name,
+            np.linalg.norm(a - b) / np.linalg.norm(b),
+        )
         assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max(), (name, np.abs(a - b).max() / np.abs(b).max())
     # The parameters, as tensors: ||a - b|| <= 1e-5 ||b||. (Elementwise, Adam's first steps are nearly
     # sign(g), which magnifies rounding wherever |g| is near eps: such entries differ by a few percent of
@@ -285,8 +303,10 @@ def test_parameters_are_born_sharded_and_equal_the_single_device_init(tiny_runs)
         # The jitted init writes each device's shards, and its temporaries (the random bits) are those of
         # the device's own shards: no device, and no host, ever holds the whole model.
         mem = init.lower(key).compile().compiled.memory_analysis()
-        shards = sum(math.prod(s.shard_shape(x.shape)) * x.itemsize
-                     for s, x in zip(jax.tree.leaves(model_sh), single_init.values()))
+        shards = sum(
+            math.prod(s.shard_shape(x.shape)) * x.itemsize
+            for s, x in zip(jax.tree.leaves(model_sh), single_init.values())
+        )
         assert shards < whole / 3  # (the norm weights are replicated)
         assert mem.output_size_in_bytes == pytest.approx(shards, rel=1e-3)  # (+ a table of the buffers)
         assert mem.temp_size_in_bytes < 1.5 * shards, (mem.temp_size_in_bytes, shards)
@@ -302,10 +322,18 @@ def test_parameters_are_born_sharded_and_equal_the_single_device_init(tiny_runs)
 
 def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(monkeypatch):
     calls = []
-    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kw: calls.append(args + tuple(kw.values())))
+    monkeypatch.setattr(
+        jax.distributed, "initialize", lambda *args, **kw: calls.append(args + tuple(kw.values()))
+    )
     monkeypatch.setattr(jax._src.cloud_tpu_init, "running_in_cloud_tpu_vm", False)
-    for var in ["SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST",
-                "JOB_COMPLETION_INDEX", "JAX_COORDINATOR_ADDRESS"]:
+    for var in [
+        "SLURM_STEP_NODELIST",
+        "SLURM_NTASKS",
+        "OMPI_MCA_orte_hnp_uri",
+        "KUBERNETES_SERVICE_HOST",
+        "JOB_COMPLETION_INDEX",
+        "JAX_COORDINATOR_ADDRESS",
+    ]:
         monkeypatch.delenv(var, raising=False)
     cfg = train.PRESETS["7b"]
     shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)  # a laptop: nothing to start
@@ -319,9 +347,11 @@ def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(mo
     monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-2]")  # srun with one task: one process
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert shard.cluster() is None
-    for env, name in [({"SLURM_NTASKS": "16"}, "SLURM"),
-                      ({"OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5678"}, "Open MPI"),
-                      ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}, "Kubernetes")]:
+    for env, name in [
+        ({"SLURM_NTASKS": "16"}, "SLURM"),
+        ({"OMPI_MCA_orte_hnp_uri": "1234.0;tcp://10.0.0.1:5678"}, "Open MPI"),
+        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}, "Kubernetes"),
+    ]:
         with monkeypatch.context() as m:
             for k, v in env.items():
                 m.setenv(k, v)
@@ -345,17 +375,48 @@ def free_port() -> int:
 def launch(run_dir, steps, tiny_data, *, processes, faults=None):
     """`train.py --preset tiny` as `processes` processes that share 8 CPU devices; `faults`, one per process,
     runs it through tests/faults.py (e.g. ["none:0", "during_save:4"])."""
-    args = ["--preset", "tiny", "--seq_len", "128", "--steps", str(steps), "--mesh", "fsdp=-1", "--run_dir",
-            str(run_dir), "--ckpt_every", "2", "--samples", "0", "--heartbeat_timeout", "10",
-            "--data", str(tiny_data / "train" / "part-00000.npy")]
+    args = [
+        "--preset",
+        "tiny",
+        "--seq_len",
+        "128",
+        "--steps",
+        str(steps),
+        "--mesh",
+        "fsdp=-1",
+        "--run_dir",
+        str(run_dir),
+        "--ckpt_every",
+        "2",
+        "--samples",
+        "0",
+        "--heartbeat_timeout",
+        "10",
+        "--data",
+        str(tiny_data / "train" / "part-00000.npy"),
+    ]
     devices = f"--xla_force_host_platform_device_count={8 // processes}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices)
     if processes > 1:
-        args += ["--coordinator", f"localhost:{free_port()}", "--num_processes", str(processes), "--process_id"]
+        args += [
+            "--coordinator",
+            f"localhost:{free_port()}",
+            "--num_processes",
+            str(processes),
+            "--process_id",
+        ]
     starts = [["tests/faults.py", fault] for fault in faults] if faults else [["train.py"]] * processes
-    return [subprocess.Popen([sys.executable, *start, *args, *([str(i)] if processes > 1 else [])], cwd=ROOT,
-                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            for i, start in enumerate(starts)]
+    return [
+        subprocess.Popen(
+            [sys.executable, *start, *args, *([str(i)] if processes > 1 else [])],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i, start in enumerate(starts)
+    ]
 
 
 def finish(procs) -> list[str]:
@@ -414,15 +475,26 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
 def test_dry_run_prints_the_memory_table_per_device(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     args = ["--preset", "tiny", "--dry_run", "--mesh", "fsdp=-1", "--run_dir", str(tmp_path)]
-    out = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    table = out.stdout[out.stdout.index("dry run:"):]
-    assert "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per" in table
-    rows = {line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines()
-            if line.endswith("GiB")}
-    assert list(rows) == ["parameters (fp32)", "optimizer state (fp32)", "batch", "activations + temporaries",
-                          "generated code", "total"]  # (a CPU device states no memory limit)
+    table = out.stdout[out.stdout.index("dry run:") :]
+    assert (
+        "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per"
+        in table
+    )
+    rows = {
+        line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")
+    }
+    assert list(rows) == [
+        "parameters (fp32)",
+        "optimizer state (fp32)",
+        "batch",
+        "activations + temporaries",
+        "generated code",
+        "total",
+    ]  # (a CPU device states no memory limit)
     n_params = 7_606_528  # the tiny preset; each device holds an eighth (and the norm weights whole)
     assert rows["parameters (fp32)"] == pytest.approx(n_params * 4 / 8 / 2**30, abs=1e-3)
     assert rows["optimizer state (fp32)"] == pytest.approx(2 * rows["parameters (fp32)"], abs=2e-3)
