@@ -185,7 +185,7 @@ def torus(chips: int, dims: int) -> str:
     return "x".join(map(str, [d for d in shape if d > 1] + [d for d in shape if d == 1]))
 
 
-def compile_target(name: str, num_slices: int = 1) -> Target:
+def tpu_target(name: str, num_slices: int = 1) -> Target:
     """A TPU slice by the name gcloud takes (v5p-512) or a raw topology (v5p:4x8x8), `num_slices` of them
     joined over the data-centre network; needs libtpu (pip install -e '.[tpu]'), not a TPU."""
     family, sep, size = name.lower().partition("-")
@@ -231,12 +231,79 @@ def compile_target(name: str, num_slices: int = 1) -> Target:
     return Target(name, topology, num_slices, tuple(devices), int(hbm * 2**30))
 
 
+# NVIDIA GPUs by the name a host type gives them (h200x8: eight H200s): what XLA's GPU compiler needs to
+# know of the chip (its GpuTargetConfigProto) and the JAX device kind. Memory in bytes as the chip reports
+# it; Hopper: 132 SMs of 2048 threads, 228 KiB shared memory (227 KiB per block), 64K registers, 50 MiB L2.
+GPUS = {
+    "h100": dict(kind="NVIDIA H100 80GB HBM3", memory=84_942_979_072, bandwidth=3_352_320_000_000, cc=(9, 0)),
+    "h200": dict(
+        kind="NVIDIA H200 141GB HBM3e", memory=151_397_597_184, bandwidth=4_800_000_000_000, cc=(9, 0)
+    ),
+}
+HOPPER = """gpu_device_info {{
+  core_count: 132  fpus_per_core: 128  clock_rate_ghz: 1.98  threads_per_warp: 32
+  threads_per_block_limit: 1024  threads_per_core_limit: 2048
+  thread_dim_limit_x: 1024  thread_dim_limit_y: 1024  thread_dim_limit_z: 64
+  block_dim_limit_x: 2147483647  block_dim_limit_y: 65535  block_dim_limit_z: 65535
+  shared_memory_per_block: 49152  shared_memory_per_block_optin: 232448  shared_memory_per_core: 233472
+  registers_per_core_limit: 65536  registers_per_block_limit: 65536  l2_cache_size: 52428800
+  device_memory_size: {memory}  memory_bandwidth: {bandwidth}
+  cuda_compute_capability {{ major: {cc[0]} minor: {cc[1]} }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 }}
+device_description_str: "{kind}"
+"""
+# JAX on a GPU takes this share of its memory up front and XLA works within it (XLA_PYTHON_CLIENT_MEM_FRACTION).
+GPU_MEMORY_FRACTION = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+
+
+def gpu_target(name: str, hosts: int = 1) -> Target:
+    """`hosts` hosts of GPUs by the name a host type gives them (h200x8), as XLA's GPU compiler sees them;
+    needs the CUDA plugin (pip install -e '.[gpu]'), not a GPU. Without a GPU no cuDNN graph is built and
+    checked and no GEMM autotuned: a step that compiles here may still be refused by cuDNN on the GPU, and
+    cuDNN's workspace is not in the memory figures."""
+    chip, _, count = name.lower().partition("x")
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    from jax.experimental import topologies
+
+    spec = GPUS[chip]
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=HOPPER.format(**spec), topology=f"1x{hosts}x{count}"
+        )
+    except Exception as e:  # no CUDA plugin: JAX raises its own error types
+        raise RuntimeError(
+            f"--topology {name}: compiling for a GPU needs the CUDA plugin: pip install -e "
+            f"'.[gpu]' ({type(e).__name__}: {e})"
+        ) from e
+    # JAX decides what cuDNN attention supports (head dim 256 from Hopper on) by asking the default backend
+    # for its compute capability; on this machine that is the CPU, so answer for the target instead.
+    at_least = lambda capability: spec["cc"] >= tuple(map(int, capability.split(".")))
+    cudnn_attention.check_compute_capability = at_least
+    cudnn_attention.is_cuda_compute_capability_equal = lambda c: spec["cc"] == tuple(map(int, c.split(".")))
+    return Target(name, name, hosts, tuple(topology.devices), int(spec["memory"] * GPU_MEMORY_FRACTION))
+
+
+def compile_target(name: str, num_slices: int = 1) -> Target:
+    """Devices that exist only for the compiler: a TPU slice (v5p-512, v5p:4x8x8) or GPU hosts (h200x8),
+    `num_slices` of them."""
+    if re.fullmatch(r"[a-z]\d+x\d+", name.lower()):
+        if name.lower().partition("x")[0] not in GPUS:
+            raise ValueError(
+                f"--topology {name!r}: expected a GPU host such as {', '.join(g + 'x8' for g in GPUS)}"
+            )
+        return gpu_target(name, num_slices)
+    return tpu_target(name, num_slices)
+
+
 def describe(mesh: Mesh, target: Target | None) -> str:
     """The devices a mesh spans, as a dry run names them."""
     if target is None:
         return f"{mesh.size} devices, mesh {dict(mesh.shape)}"
     name = target.name + (f" ({target.topology})" if target.topology != target.name else "")
-    slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
+    gpu = mesh.devices.flat[0].platform == "gpu"
+    slices = f" x {target.num_slices} {'hosts' if gpu else 'slices'}" if target.num_slices > 1 else ""
     return (
         f"{name}{slices}, {mesh.size} devices of {mesh.devices.flat[0].device_kind}, mesh {dict(mesh.shape)}"
     )
@@ -271,6 +338,10 @@ def fit_report(compile_step, mesh: Mesh, target: Target | None, tips: str, say=p
     say(f"compiled in {time.perf_counter() - t0:.0f} s. Per device:")
     for name, size in rows + [("total", total)] + ([("HBM", hbm)] if hbm else []):
         say(f"  {name:<26} {size / 2**30:9.3f} GiB")
+    if target and mesh.devices.flat[0].platform == "gpu":
+        say(
+            f"  (HBM: the {GPU_MEMORY_FRACTION:.0%} of each GPU's memory JAX takes; XLA_PYTHON_CLIENT_MEM_FRACTION)"
+        )
     if hbm and total <= hbm:
         say(f"fits, with {(hbm - total) / 2**30:.1f} GiB to spare")
     elif hbm:

@@ -190,7 +190,7 @@ def our_run(args, files, out: Path):
     )
     for override in args.ours:
         name, value = override.split("=", 1)
-        cfg = train.with_flag(cfg, name, train.flags()[name][0](value))
+        cfg = train.with_flag(cfg, name, train.flags()[name][0].type(value))
     loader = data.TokenLoader(
         files["train"],
         cfg.seq_len,

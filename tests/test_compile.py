@@ -137,3 +137,35 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     spare = rows["HBM"] - rows["total"]
     assert f"fits, with {spare:.1f} GiB to spare" in table
     assert not (tmp_path / "run").exists()  # it only compiles
+
+
+# ---- NVIDIA GPUs: the CUDA plugin's compile-only devices. The plugin is 2.5 GB, so CI does not install it;
+# rerun these with: pip install -e ".[gpu,test]" && pytest tests/test_compile.py -k gpu
+
+
+def gpu_compile(topology: str, mesh_spec: str, head_layout: str = ""):
+    pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    target = shard.compile_target(topology)
+    mesh = shard.make_mesh(mesh_spec, list(target.devices))
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"], seq_len=512, head_layout=head_layout, compute=olmo3.Compute("bfloat16", "auto")
+    )
+    compute = train.compute_policy(cfg, mesh)
+    assert compute.attention == "cudnn"  # chosen for the devices compiled for, not for this CPU
+    compiled, _ = train.compile_step(cfg, mesh, train.model_config(cfg), compute, n_micro=1)
+    hlo = compiled.as_text()
+    return {k: hlo.count(f'custom_call_target="__cudnn${k}"') for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")}
+
+
+@pytest.mark.parametrize("topology,mesh_spec", [("h200x1", "fsdp=1"), ("h200x8", "fsdp=4,tensor=2")])
+def test_gpu_train_step_compiles_with_cudnn_sliding_window_attention(topology, mesh_spec):
+    # One group of 4 layers in the scan: 4 cuDNN attention calls forward and 4 backward.
+    assert gpu_compile(topology, mesh_spec) == {"fmhaSoftmax": 4, "fmhaSoftmaxBackward": 4}
+
+
+def test_gpu_head_dim_256_is_allowed_as_on_hopper():
+    """JAX asks the default backend (this CPU) whether the GPU is a Hopper; the target answers instead."""
+    assert gpu_compile("h100x1", "fsdp=1", head_layout="1x256") == {
+        "fmhaSoftmax": 4,
+        "fmhaSoftmaxBackward": 4,
+    }
