@@ -518,27 +518,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(RULES["batch"], None))
 
 
-def sum_over_processes(value: int) -> int:
-    """A 64-bit sum (mod 2**64) over every process; sent as two uint32 words (jax has no uint64 by default)."""
+def sum_over_processes(values: list[int]) -> list[int]:
+    """64-bit sums (mod 2**64) over every process, as uint32 words (jax has no uint64 by default)."""
     if jax.process_count() == 1:
-        return value
+        return values
     from jax.experimental import multihost_utils
 
-    words = multihost_utils.process_allgather(np.array([value % 2**32, value >> 32], np.uint32))
-    return sum(int(lo) + (int(hi) << 32) for lo, hi in np.asarray(words).reshape(-1, 2)) % 2**64
+    words = np.array([[v % 2**32, v >> 32] for v in values], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, len(values), 2).astype(object)
+    return [int(v) % 2**64 for v in (every[..., 0] + every[..., 1] * 2**32).sum(0)]
 
 
 def put_batch(local_rows: np.ndarray, mesh: Mesh, global_rows: int):
-    """This process's rows of the global batch -> one global array sharded over (data, fsdp).
+    """This process's rows of the global batch (tokens, or one flag per row) -> one global array sharded over
+    (data, fsdp).
 
     With several processes each one's rows (data.py's strided share) land on its own devices, so the array
     holds the global batch's rows in another order; every row is an independent example and the loss a
     mean, so only the order of the sums differs (tests/test_shard.py checks the losses against one process).
     """
-    sharding = batch_sharding(mesh)
-    return jax.make_array_from_process_local_data(
-        sharding, local_rows.astype(np.int32), (global_rows, local_rows.shape[1])
-    )
+    sharding = NamedSharding(mesh, P(RULES["batch"], *[None] * (local_rows.ndim - 1)))
+    values = local_rows if local_rows.dtype == bool else local_rows.astype(np.int32)
+    return jax.make_array_from_process_local_data(sharding, values, (global_rows, *local_rows.shape[1:]))
 
 
 def cluster() -> str | None:

@@ -90,6 +90,9 @@ class TrainConfig:
     )  # skip the update if loss or grad norm is this many std above ...
     skip_window: int = recipe(128, low=2)  # ... the mean of this many previous steps, once half are known
     z_loss: float = recipe(1e-5, low=0)
+    repeat_filter: int = recipe(
+        0, low=0
+    )  # drop instances repeating 1-13 tokens this many times in a row; 0: off
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
     compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
@@ -143,7 +146,18 @@ PRESETS = {
     ),
     "1b": TrainConfig("1b", lr=4e-4, lr_horizon=100_000, steps=100_000, seq_len=4096, run_dir="runs/1b"),
     "7b": TrainConfig(),
-    "32b": TrainConfig("32b", lr=6e-4, global_batch=1024, run_dir="runs/32b"),
+    # OLMo-core's OLMo-3-1025-32B-pretrain.py: 8M tokens a step, lr 6e-4 (cosine to 0.1x after 2000 warmup
+    # steps, over one epoch of the mix: 706,907 steps, where AI2's released stage 1 ends at step 656,000),
+    # and its instance filter, InstanceFilterConfig(13, 1, 32); the rest as the 7B's.
+    "32b": TrainConfig(
+        "32b",
+        lr=6e-4,
+        global_batch=1024,
+        lr_horizon=706_907,
+        steps=706_907,
+        repeat_filter=32,
+        run_dir="runs/32b",
+    ),
 }
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
@@ -361,88 +375,95 @@ def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], targe
     return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
 
 
+def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
+    """The positions the loss counts: all but each instance's last (it has no next token), in the instances
+    the repeat filter keeps."""
+    return keep[:, None] & (jnp.arange(seq) < seq - 1)[None, :]
+
+
 def reference_lm_head_loss(
-    x: Float[Array, "batch seq embed"], w: Float[Array, "embed vocab"], targets: Int[Array, "batch seq"]
+    x: Float[Array, "batch seq embed"],
+    w: Float[Array, "embed vocab"],
+    targets: Int[Array, "batch seq"],
+    mask: Bool[Array, "batch seq"],
 ):
     """(CE sum, logsumexp^2 sum) from the whole batch's logits; autodiff gives the gradients."""
     logits_BxSxV = olmo3.linear(x, w, out_dtype=jnp.float32)
-    return loss_sums(logits_BxSxV, targets, jnp.arange(x.shape[1]) < x.shape[1] - 1)
+    return loss_sums(logits_BxSxV, targets, mask)
 
 
 def lm_head_chunks(
     x: Float[Array, "batch seq embed"],
     w: Float[Array, "embed vocab"],
     targets: Int[Array, "batch seq"],
+    mask: Bool[Array, "batch seq"],
     chunk: int,
     cotangent=None,
 ):
-    """(CE sum, logsumexp^2 sum) over the targeted positions, `chunk` positions of every instance at a time;
+    """(CE sum, logsumexp^2 sum) over the masked-in positions, `chunk` positions of every instance at a time;
     given the cotangent of those two sums, also their gradients with respect to x and w."""
     batch, seq, d = x.shape
     chunk = chunk or seq
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
-    position = jnp.arange(seq).reshape(-1, chunk)  # the chunks scan over the sequence; the batch stays split
 
-    def one(dw_DxV, inputs):
-        x_BxCxD, t_BxC, p_C = inputs
+    def one(dw_DxV, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
+        x_BxCxD, t_BxC, m_BxC = inputs
         logits_BxCxV = olmo3.linear(x_BxCxD, w, out_dtype=jnp.float32)
-        sums, vjp = jax.vjp(lambda logits: loss_sums(logits, t_BxC, p_C < seq - 1), logits_BxCxV)
+        sums, vjp = jax.vjp(lambda logits: loss_sums(logits, t_BxC, m_BxC), logits_BxCxV)
         if cotangent is None:
             return dw_DxV, (sums, None)
         # The loss's scale enters before the matmuls, as autodiff through the whole model orders it.
-        (g_BxCxV,) = vjp(cotangent)
-        g_BxCxV = g_BxCxV.astype(x.dtype)
+        g_BxCxV = vjp(cotangent)[0].astype(x.dtype)
         dx_BxCxD = olmo3.linear(g_BxCxV, w.T)
         dw_DxV += jnp.matmul(
             x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]), preferred_element_type=jnp.float32
         )
         return dw_DxV, (sums, dx_BxCxD)
 
-    dw, ((ce, zz), dx) = jax.lax.scan(
-        one, jnp.zeros(w.shape, jnp.float32), (by_chunk(x), by_chunk(targets), position)
-    )
-    sums = (ce.sum(), zz.sum())
+    inputs = (by_chunk(x), by_chunk(targets), by_chunk(mask))
+    dw, ((ce, zz), dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), inputs)
     if cotangent is None:
-        return sums
-    return sums, jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
+        return ce.sum(), zz.sum()
+    return (ce.sum(), zz.sum()), jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fused_lm_head_loss(x, w, targets, chunk: int, z_loss: float, scale: float):
-    """scale * (CE + z_loss * logsumexp^2) summed over the targeted positions, and the two sums. Only the
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def fused_lm_head_loss(x, w, targets, mask, scale, chunk: int, z_loss: float):
+    """scale * (CE + z_loss * logsumexp^2) summed over the masked-in positions, and the two sums. Only the
     first output carries a gradient (loss_fn stops the second's)."""
-    ce, zz = lm_head_chunks(x, w, targets, chunk)
+    ce, zz = lm_head_chunks(x, w, targets, mask, chunk)
     return scale * (ce + z_loss * zz), (ce, zz)
 
 
-def _fused_fwd(x, w, targets, chunk, z_loss, scale):
-    (ce, zz), dx, dw = lm_head_chunks(x, w, targets, chunk, (jnp.float32(scale), jnp.float32(scale * z_loss)))
-    return (scale * (ce + z_loss * zz), (ce, zz)), (dx, dw)
+def _fused_fwd(x, w, targets, mask, scale, chunk, z_loss):
+    (ce, zz), dx, dw = lm_head_chunks(x, w, targets, mask, chunk, (scale, scale * z_loss))
+    return (scale * (ce + z_loss * zz), (ce, zz)), (dx, dw, scale)
 
 
-def _fused_bwd(chunk, z_loss, scale, grads, cotangents):
-    dx, dw = grads
+def _fused_bwd(chunk, z_loss, saved, cotangents):
+    dx, dw, scale = saved
     g = cotangents[
         0
     ]  # the loss is linear in the sums: its gradients are the forward's times g (1 for a loss)
-    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None
+    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None, jnp.zeros_like(scale)
 
 
 fused_lm_head_loss.defvjp(_fused_fwd, _fused_bwd)
 
 
-def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, layout=None):
-    """Mean loss over the batch's targeted positions; aux: its CE and z-loss parts."""
+def loss_fn(model, tokens, keep, n_targets, cfg: TrainConfig, layout=None):
+    """The loss over the batch's targeted positions, divided by n_targets; aux: its CE and z-loss parts."""
     x = model.features(tokens, layout)
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
+    mask, scale = targeted(keep, tokens.shape[1]), 1 / jnp.float32(n_targets)
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            ce, zz = reference_lm_head_loss(x, w, targets)
-            loss = (ce + cfg.z_loss * zz) / n_targets
+            ce, zz = reference_lm_head_loss(x, w, targets, mask)
+            loss = (ce + cfg.z_loss * zz) * scale
         else:
-            loss, (ce, zz) = fused_lm_head_loss(x, w, targets, cfg.loss_chunk, cfg.z_loss, 1 / n_targets)
+            loss, (ce, zz) = fused_lm_head_loss(x, w, targets, mask, scale, cfg.loss_chunk, cfg.z_loss)
             ce, zz = jax.lax.stop_gradient((ce, zz))
-    return loss, (ce / n_targets, cfg.z_loss * zz / n_targets)
+    return loss, (ce * scale, cfg.z_loss * zz * scale)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -451,22 +472,27 @@ def loss_fn(model, tokens, n_targets: int, cfg: TrainConfig, layout=None):
 
 
 @eqx.filter_jit(donate="all")
-def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: int, mesh=None):
-    """On a mesh (shard.py), the model and optimizer state keep their shardings, and each weight is
-    all-gathered where a layer uses it (shard.Layout)."""
+def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: int, mesh=None, keep=None):
+    """One optimizer step on `batch` (rows x seq tokens); `keep` says which rows the repeat filter keeps
+    (None: all). On a mesh (shard.py), the model and optimizer state keep their shardings, and each weight
+    is all-gathered where a layer uses it (shard.Layout)."""
     rows, seq = batch.shape
     layout = None if mesh is None else shard.Layout(mesh)
     params = eqx.filter(model, eqx.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+    keep = jnp.ones(rows, bool) if keep is None else keep
+    # OLMo-core divides by the targeted positions plus every token of a dropped instance (its train module
+    # counts them as zero-loss tokens, so each rank weighs the same).
+    n_targets = rows * (seq - 1) + (rows - keep.sum())
 
-    def accumulate(acc, tokens):
-        (_, (ce, z)), grads = grad_fn(model, tokens, rows * (seq - 1), cfg, layout)
+    def accumulate(acc, micro):
+        (_, (ce, z)), grads = grad_fn(model, *micro, n_targets, cfg, layout)
         return jax.tree.map(jnp.add, acc, (grads, ce, z)), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
-    micro = batch.reshape(rows // n_micro, n_micro, seq).swapaxes(0, 1)
+    split = lambda a: a.reshape(rows // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1)
     zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, micro)
+    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, (split(batch), split(keep)))
 
     with jax.named_scope("optimizer"):
         grad_norm = optax.tree.norm(grads)
@@ -482,8 +508,8 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
 def eval_step(model, batch, chunk: int, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
     layout = None if mesh is None else shard.Layout(mesh)
-    x = model.features(batch, layout)
-    return lm_head_chunks(x, model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1), chunk)[0]
+    x, mask = model.features(batch, layout), targeted(jnp.ones(batch.shape[0], bool), batch.shape[1])
+    return lm_head_chunks(x, model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1), mask, chunk)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -700,11 +726,26 @@ def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
         )
 
 
-def take_step(run: Run, step: int, model, opt, batch):
+def read_batches(run: Run, start: int) -> data.Prefetcher:
+    """Batches start, start + 1, ..., each read (ids checked), filtered for repeats, hashed and put on the
+    devices on a thread: (tokens, the rows kept or None, batch hash, instances filtered out)."""
+    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
+    row_ids = run.loader.row_ids(rank, world)
+
+    def to_devices(rows):
+        kept = ~data.repeated(rows, cfg.repeat_filter) if cfg.repeat_filter else np.ones(len(rows), bool)
+        keep = shard.put_batch(kept, run.mesh, cfg.global_batch) if cfg.repeat_filter else None
+        tokens = shard.put_batch(rows, run.mesh, cfg.global_batch)
+        return tokens, keep, data.batch_hash(rows, row_ids), int((~kept).sum())
+
+    return data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
+
+
+def take_step(run: Run, step: int, model, opt, batch, keep=None):
     """Dispatch optimizer step `step` (1, 2, ...); returns at once, the devices work on. The seam tests use
     to act at a given step."""
     lr = jnp.float32(lr_at(step, run.cfg))
-    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh)
+    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, keep=keep)
 
 
 class Progress:
@@ -735,7 +776,9 @@ class Progress:
         self.stamps.clear()
 
 
-def log_step(run: Run, step: int, metrics: dict, wait: float, batch_hash: int, meter: Progress) -> None:
+def log_step(
+    run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter: Progress
+):
     """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
     metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
@@ -747,7 +790,7 @@ def log_step(run: Run, step: int, metrics: dict, wait: float, batch_hash: int, m
             f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; stopping ({last})"
         )
     tps = meter.tick()
-    batch_hash = shard.sum_over_processes(batch_hash)  # each process hashed its own rows
+    batch_hash, filtered = shard.sum_over_processes([batch_hash, filtered])  # each process read its own rows
     peak = shard.peak_flops(run.mesh.devices.flat[0])
     flops = run.model_cfg.flops_per_token(run.cfg.seq_len)
     row = dict(
@@ -758,6 +801,7 @@ def log_step(run: Run, step: int, metrics: dict, wait: float, batch_hash: int, m
         lr=lr_at(step, run.cfg),
         grad_norm=metrics["grad_norm"],
         skipped=metrics["skipped"],
+        filtered=filtered,
         tokens=step * meter.tokens_per_step,
         tokens_per_s=tps,
         mfu=tps * flops / (peak * run.mesh.size) if peak else None,
@@ -873,26 +917,18 @@ def main(cfg: TrainConfig) -> int:
             evaluate(run, start, model) if cfg.eval_only else say(f"run already complete: step {start}")
             return run.checkpoints.close() or 0
         write_config(Path(cfg.run_dir), cfg, run.tokenizer_path)
-        rank, world = jax.process_index(), jax.process_count()
-        row_ids = run.loader.row_ids(rank, world)
-        to_devices = lambda rows: (
-            shard.put_batch(rows, mesh, cfg.global_batch),
-            data.batch_hash(rows, row_ids),
-        )
-        prefetch = data.Prefetcher(
-            lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices
-        )
+        prefetch = read_batches(run, start)
         batches = iter(prefetch)
         meter, pending, stop = Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
         try:
             for step in range(start + 1, cfg.steps + 1):
-                _, (batch, batch_hash), wait = next(batches)
-                model, opt, metrics = take_step(run, step, model, opt, batch)
+                _, (batch, keep, batch_hash, filtered), wait = next(batches)
+                model, opt, metrics = take_step(run, step, model, opt, batch, keep)
                 if pending:  # read the previous step's numbers while this one runs
                     log_step(run, *pending, meter)
                 run.checkpoints.check()  # a failed background save stops the run here
-                pending = (step, metrics, wait, batch_hash)
+                pending = (step, metrics, wait, batch_hash, filtered)
                 stop = preemption.requested(step, run.checkpoints)
                 do_eval = run.eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
                 do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop

@@ -1,4 +1,5 @@
-"""Data throughput: TokenLoader batches from token files, batch_hash, the permutation, the tokenizers.
+"""Data throughput: TokenLoader batches from token files, batch_hash, the repeat filter, the permutation,
+the tokenizers.
 
 python bench/data_speed.py           # about 2 minutes on 2 CPU cores; writes ~600 MB to a temp folder
 python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
@@ -67,6 +68,10 @@ def loader_speed(folder, rows):
     for b in (64, 512):
         seconds, _ = timed(data.batch_hash, np.tile(batch, (b // BATCH, 1)), repeat=5)
         rows.append((f"batch_hash, {b} x {SEQ}", f"{seconds * 1e3:.1f} ms"))
+        # The 32B's instance filter (OLMo-core's, periods 1-13, 32 repeats) on the prefetch thread: it must
+        # take less than a step, which for the 7B's or 32B's batch is seconds on any slice.
+        seconds, _ = timed(data.repeated, np.tile(batch, (b // BATCH, 1)), 32, repeat=3)
+        rows.append((f"repeat filter (data.repeated), {b} x {SEQ}", f"{seconds * 1e3:.0f} ms"))
 
 
 def permutation_speed(n):

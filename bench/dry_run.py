@@ -12,6 +12,7 @@ compiles: nothing here is a speed estimate; speed on a TPU is measured on a TPU.
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -43,17 +44,28 @@ ROWS = [
     ("remat", "7b tpu7x-512 --remat none"),
     ("remat", "7b tpu7x-512 --remat save_attention"),
     ("remat", "7b tpu7x-512 --remat save_matmuls"),
+    # GPU hosts (the [gpu] extra: pip install -e '.[gpu]'), JAX's default 75% of each GPU's memory unless the
+    # row sets XLA_PYTHON_CLIENT_MEM_FRACTION.
+    ("gpu", "7b h200x1 --microbatch 1"),
+    ("gpu", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 7b h200x1 --microbatch 1"),
+    ("gpu", "7b h200x8 --microbatch 1"),
+    ("gpu", "7b h200x8 --microbatch 2"),
+    ("gpu", "7b h200x8 --microbatch 1 --remat save_attention"),
+    ("gpu", "7b h100x8 --microbatch 1"),
 ]
 
 
 def dry_run(row: str) -> dict:
-    preset, topology, *flags = row.split()
+    words = row.split()
+    env = dict(os.environ, **dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("--")))
+    preset, topology, *flags = [w for w in words if "=" not in w or w.startswith("--")]
     args = ["--preset", preset, "--dry_run", "--topology", topology, *flags]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:  # a dry run writes nothing there
         out = subprocess.run(
             [sys.executable, "train.py", *args, "--run_dir", run_dir],
             cwd=ROOT,
+            env=env,
             capture_output=True,
             text=True,
         )
@@ -72,7 +84,8 @@ def dry_run(row: str) -> dict:
 
 
 def table_row(r: dict) -> str:
-    preset, topology, *flags = r["row"].split()
+    preset, topology, *flags = [w for w in r["row"].split() if "=" not in w or w.startswith("--")]
+    flags += [w for w in r["row"].split() if "=" in w and not w.startswith("--")]
     gib = lambda k: f"{r[k]:.1f}" if k in r else "-"
     state = r.get("parameters (fp32)", 0) + r.get("optimizer state (fp32)", 0)
     return (

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.data import InstanceFilterConfig, NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.data.utils import get_labels
 from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
 from olmo_core.nn.hf.checkpoint import save_hf_model
@@ -63,15 +63,23 @@ TOLERANCE = {
 PUBLIC_TOP1 = 0.9875  # the public JAX reproduction's top-1 agreement with AI2's model at 8192 tokens
 
 
-def write_corpus(folder: Path) -> dict[str, list[str]]:
-    """The tiny corpus (38 plays, 3 held out) tokenized with dolma2: one uint32 OLMo token file per play."""
-    tok = data.get_tokenizer("dolma2")
+def write_corpus(folder: Path, repeats_in: int = 0) -> dict[str, list[str]]:
+    """The tiny corpus (38 plays, 3 held out) tokenized with dolma2: one uint32 OLMo token file per play.
+    `repeats_in` (a sequence length): each training play also holds, per 8 instances of that length, a run of
+    a few tokens repeated 40 times, short enough to fit one instance, which the repeat filter drops."""
+    tok, rng = data.get_tokenizer("dolma2"), np.random.default_rng(0)
     files = {}
     for split, plays in data.tiny_plays().items():
         (folder / split).mkdir(parents=True, exist_ok=True)
         files[split] = [str(folder / split / f"{k:03d}.npy") for k in range(len(plays))]
         for path, ids in zip(files[split], tok.encode_batch(plays)):
-            np.asarray(ids + [tok.eos_id], np.uint32).tofile(path)  # a document ends with EOS, as OLMo's do
+            ids = np.asarray([*ids, tok.eos_id], np.uint32)  # a document ends with EOS, as OLMo's do
+            for _ in range(len(ids) // (8 * repeats_in) if repeats_in and split == "train" else 0):
+                period = int(rng.integers(1, max(2, min(14, repeats_in // 40))))
+                run = np.tile(rng.integers(0, tok.vocab_size, period), 40).astype(np.uint32)
+                at = int(rng.integers(0, len(ids) - len(run)))
+                ids[at : at + len(run)] = run
+            ids.tofile(path)
     return files
 
 
@@ -88,7 +96,10 @@ class Recorder(Callback):
         self.rows = {}
 
     def pre_step(self, batch):
-        self.rows[self.step] = {"hash": data.batch_hash(batch["input_ids"].numpy())}
+        self.rows[self.step] = {
+            "hash": data.batch_hash(batch["input_ids"].numpy()),
+            "rows": len(batch["input_ids"]),
+        }
 
     def log_metrics(self, step, metrics):
         if step == 0:  # the trainer's dry-run batch, which trains nothing
@@ -98,6 +109,7 @@ class Recorder(Callback):
             lr=[metrics["optim/LR (group 0)"], metrics["optim/LR (group 1)"]],
             grad_norm=metrics["optim/total grad norm"],
             skipped=bool(metrics["optim/step skipped"]),
+            filtered=round(metrics.get("train/masked instances (%)", 0.0) * self.rows[step]["rows"]),
         )
         progress("OLMo-core", step, self.trainer.max_steps, self.rows[step]["loss"])
 
@@ -145,7 +157,13 @@ def olmo_core_run(args, files, out: Path):
 
     work = str(out / "olmo-core-work")
     dataset = NumpyFSLDatasetConfig(
-        paths=files["train"], sequence_length=args.seq_len, tokenizer=tokenizer, work_dir=work
+        paths=files["train"],
+        sequence_length=args.seq_len,
+        tokenizer=tokenizer,
+        work_dir=work,
+        instance_filter_config=InstanceFilterConfig(13, 1, args.repeat_filter)
+        if args.repeat_filter
+        else None,
     ).build()
     loader = NumpyDataLoaderConfig(global_batch_size=tokens, seed=args.seed, work_dir=work).build(dataset)
     recorder = Recorder()
@@ -187,6 +205,7 @@ def our_run(args, files, out: Path):
         lr_horizon=args.steps,
         steps=args.steps,
         skip_window=args.skip_window,
+        repeat_filter=args.repeat_filter,
     )
     for override in args.ours:
         name, value = override.split("=", 1)
@@ -205,8 +224,9 @@ def our_run(args, files, out: Path):
     for step in range(1, args.steps + 1):  # step s trains on batch s - 1, as OLMo-core's step s does
         batch = loader.global_batch(step - 1)
         lr = train.lr_at(step, cfg)
+        keep = ~data.repeated(batch, cfg.repeat_filter) if cfg.repeat_filter else None
         model, opt, m = train.train_step(
-            model, opt, jnp.asarray(batch, jnp.int32), jnp.float32(lr), cfg=cfg, n_micro=1
+            model, opt, jnp.asarray(batch, jnp.int32), jnp.float32(lr), cfg=cfg, n_micro=1, keep=keep
         )
         rows.append(
             {
@@ -215,6 +235,7 @@ def our_run(args, files, out: Path):
                 "loss": float(m["loss"]),
                 "grad_norm": float(m["grad_norm"]),
                 "skipped": bool(m["skipped"]),
+                "filtered": 0 if keep is None else int((~keep).sum()),
             }
         )
         progress("ours", step, args.steps, rows[-1]["loss"])
@@ -237,6 +258,7 @@ def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
             "loss_rel": rel(o["loss"], t["loss"]),
             "grad_norm_rel": rel(o["grad_norm"], t["grad_norm"]),
             "skipped_equal": o["skipped"] == t["skipped"],
+            "filtered_equal": o["filtered"] == t["filtered"],
         }
         checks = {
             "batch": r["hash_equal"],
@@ -244,6 +266,7 @@ def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
             "loss": r["loss_rel"] <= TOLERANCE["loss"],
             "grad_norm": r["grad_norm_rel"] <= TOLERANCE["grad_norm"],
             "skipped": r["skipped_equal"],
+            "filtered": r["filtered_equal"],
         }
         r["failed"] = [name for name, ok in checks.items() if not ok]
         table.append(r)
@@ -297,7 +320,7 @@ def report(table: list[dict], evals: list[dict]) -> list[str]:
     """Print the comparison; return what left its tolerance."""
     print(
         f"{'step':>4} {'batch hash':>17} {'lr ours':>10} {'lr OC':>10} {'loss ours':>11} {'loss OC':>11} "
-        f"{'rel':>8} {'|g| ours':>10} {'|g| OC':>10} {'rel':>8} {'skip':>5}"
+        f"{'rel':>8} {'|g| ours':>10} {'|g| OC':>10} {'rel':>8} {'skip':>5} {'filtered':>8}"
     )
     for r in table:
         o, t = r["ours"], r["olmo_core"]
@@ -305,7 +328,8 @@ def report(table: list[dict], evals: list[dict]) -> list[str]:
             f"{r['step']:>4} {data.format_hash(t['hash'])}{'=' if r['hash_equal'] else '!'} "
             f"{o['lr']:10.4e} {t['lr'][0]:10.4e} {o['loss']:11.7f} {t['loss']:11.7f} {r['loss_rel']:8.1e} "
             f"{o['grad_norm']:10.6f} {t['grad_norm']:10.6f} {r['grad_norm_rel']:8.1e} "
-            f"{'yes' if o['skipped'] else 'no':>4}{'' if r['skipped_equal'] else '!'}"
+            f"{'yes' if o['skipped'] else 'no':>4}{'' if r['skipped_equal'] else '!'} "
+            f"{o['filtered']:>8}{'' if r['filtered_equal'] else '!'}"
             + (f"  <- {', '.join(r['failed'])}" if r["failed"] else "")
         )
     print(
@@ -381,6 +405,12 @@ def main(argv=None) -> int:
         help="steps of SkipStep history (128 in the recipe), so the spike rule is on from step 8",
     )
     p.add_argument("--seed", type=int, default=data.DEFAULT_SEED, help="the data order")
+    p.add_argument(
+        "--repeat_filter",
+        type=int,
+        default=0,
+        help="the 32B's instance filter on both sides (32), over a corpus with planted repeats; 0: off",
+    )
     p.add_argument("--eval_tokens", type=int, default=8192, help="held-out tokens per context (0: no eval)")
     p.add_argument("--eval_len", type=int, default=8192, help="the long context (the public figure's)")
     p.add_argument(
@@ -404,7 +434,8 @@ def main(argv=None) -> int:
         nonlocal start
         seconds[name], start = time.perf_counter() - start, time.perf_counter()
 
-    files = write_corpus(out / "dolma2")
+    repeats_in = args.seq_len if args.repeat_filter else 0
+    files = write_corpus(out / (f"dolma2-repeats{args.seq_len}" if repeats_in else "dolma2"), repeats_in)
     theirs, their_rows = olmo_core_run(args, files, out)
     lap("olmo_core")
     ours, our_rows = our_run(args, files, out)

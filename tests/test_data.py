@@ -95,6 +95,75 @@ def test_same_order_and_batches_as_olmo_core(tmp_path, dtype, vocab, seed):
             assert a.read() == b.read()
 
 
+def plant_repeats(folder, seed=0):
+    """Token files with sequences of every period 1-13 repeated 30-34 times (around the threshold of 32) at
+    random offsets, some across instance boundaries and one across a file boundary (which OLMo-core never
+    joins: instances do not span files)."""
+    rng = np.random.default_rng(seed)
+    tokens = [rng.integers(0, 1000, n).astype(np.uint32) for n in (8000, 5000, 3000)]
+    for k in range(60):
+        period, times = k % 13 + 1, int(rng.integers(30, 35))
+        unit = rng.integers(0, 1000, period).astype(np.uint32)
+        run = np.tile(unit, times + 1)[: period * times + int(rng.integers(0, period))]  # a partial last one
+        f = tokens[k % 3]
+        start = int(rng.integers(0, len(f) - len(run)))
+        f[start : start + len(run)] = run
+    tail = np.tile(np.array([7, 8, 9], np.uint32), 40)  # 120 tokens: the end of file 0, the start of file 1
+    tokens[0][-60:], tokens[1][:60] = tail[:60], tail[60:]
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f"{k}.npy") for k in range(3)]
+    for path, t in zip(paths, tokens):
+        t.tofile(path)
+    return paths
+
+
+def test_repeat_filter_flags_what_olmo_core_flags(tmp_path):
+    """The instances OLMo-core's NumpyFSLDataset (with the 32B's InstanceFilterConfig(13, 1, 32)) masks out,
+    at sequence lengths that put the planted repeats inside instances and across their boundaries."""
+    from olmo_core.data import InstanceFilterConfig, NumpyFSLDataset
+
+    paths = plant_repeats(tmp_path)
+    for seq in (128, 200, 512):
+        ours = data.TokenLoader(paths, seq, 1, dtype=np.uint32)
+        ref = NumpyFSLDataset(
+            *paths,
+            sequence_length=seq,
+            pad_token_id=1001,
+            eos_token_id=1000,
+            vocab_size=1002,
+            dtype=np.uint32,
+            instance_filter_config=InstanceFilterConfig(13, 1, 32),
+        )
+        want = np.array([not ref[j]["instance_mask"] for j in range(len(ref))])
+        rows = np.stack([ours.instance(j) for j in range(ours.num_instances)])
+        got = data.repeated(rows, 32)
+        assert 0 < want.sum() < len(want), (seq, want.sum())  # some planted repeats are found, not everything
+        np.testing.assert_array_equal(got, want)
+    # Around the threshold, one period at a time: p tokens repeated n times in a random row.
+    rng = np.random.default_rng(1)
+    for period in range(1, 14):
+        for times in (30, 31, 32, 33):
+            row = rng.integers(0, 1000, 1024).astype(np.uint32)
+            start = int(rng.integers(0, 1024 - 34 * period))
+            row[start : start + times * period] = np.tile(rng.integers(1000, 2000, period), times)
+            ref = NumpyFSLDataset.__new__(NumpyFSLDataset)  # only its filter: no files needed
+            import torch
+
+            flagged = not ref._validate_instance(
+                torch.as_tensor(row.astype(np.int64)), InstanceFilterConfig(13, 1, 32)
+            )
+            assert data.repeated(row[None], 32)[0] == flagged, (period, times)
+
+
+def test_repeat_filter_is_fast_enough_for_the_prefetch_thread():
+    rows = (
+        np.random.default_rng(0).integers(0, 100_278, (64, 8192)).astype(np.uint32)
+    )  # a 7B host's share x 8
+    t0 = time.perf_counter()
+    assert not data.repeated(rows, 32).any()
+    assert time.perf_counter() - t0 < 5  # ~0.1 s here; bench/data_speed.py times the 7B's whole batch
+
+
 def test_later_epoch_and_large_permutation_match_olmo_core(tmp_path):
     # seq_len 1 turns a 1M-token file into 1M instances: OLMo-core's permutation at a size worth testing.
     n = 2**20 + 3

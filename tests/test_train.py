@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import data
 import olmo3
 import shard
 import train
@@ -122,11 +123,12 @@ def test_lm_head_loss_and_gradients_match_olmo_core(path, chunk):
 
     def loss(x, w):
         targets = jnp.roll(jnp.asarray(tokens), -1, axis=-1)
+        mask = train.targeted(jnp.ones(batch, bool), seq)
         if path == "fused":
-            total, (ce, zz) = train.fused_lm_head_loss(x, w, targets, chunk, z_loss, 1 / n)
+            total, (ce, zz) = train.fused_lm_head_loss(x, w, targets, mask, jnp.float32(1 / n), chunk, z_loss)
             ce, zz = jax.lax.stop_gradient((ce, zz))
         else:
-            ce, zz = train.reference_lm_head_loss(x, w, targets)
+            ce, zz = train.reference_lm_head_loss(x, w, targets, mask)
             total = (ce + z_loss * zz) / n
         return total, (ce / n, z_loss * zz / n)
 
@@ -153,10 +155,69 @@ def test_fused_and_reference_losses_agree_through_the_model():
 
     want, want_grads = eqx.filter_value_and_grad(plain)(model)
     for cfg in (fused, dataclasses.replace(fused, loss="reference")):
-        (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(model, tokens, 62, cfg)
+        keep = jnp.ones(2, bool)
+        (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(
+            model, tokens, keep, 62, cfg
+        )
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         for ours, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
             np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-6 * float(jnp.abs(ref).max()))
+
+
+def test_dropped_instances_count_as_olmo_core_s_train_module_counts_them():
+    """Rows the repeat filter drops: no loss and no gradient, and the mean divided as OLMo-core's train module
+    divides it (its labels from get_labels with the instance mask, plus each dropped instance's tokens)."""
+    from olmo_core.data.utils import get_labels
+    from olmo_core.nn.functional import cross_entropy_loss
+
+    cfg = dataclasses.replace(train.PRESETS["tiny"], z_loss=1e-2, global_batch=4, seq_len=32)
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 32))
+    keep = np.array([True, False, True, False])
+    model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
+    labels = get_labels({"input_ids": torch.as_tensor(tokens), "instance_mask": torch.as_tensor(keep)})
+    logits = torch.as_tensor(np.array(model(jnp.asarray(tokens)))).view(-1, SMALL.padded_vocab)
+    ce, z = cross_entropy_loss(
+        logits, labels.view(-1), reduction="sum", compute_z_loss=True, z_loss_multiplier=1e-2
+    )
+    divisor = (labels != -100).sum() + (~torch.as_tensor(keep)).sum() * labels.shape[1]
+    results = []
+    for n_micro, rows in [(1, tokens), (2, tokens), (1, np.where(keep[:, None], tokens, 7))]:
+        m = olmo3.Olmo3(SMALL, key=jax.random.key(0))
+        opt = train.init_opt(eqx.filter(m, eqx.is_array), cfg)
+        m, opt, metrics = train.train_step(
+            m,
+            opt,
+            jnp.asarray(rows, jnp.int32),
+            jnp.float32(1e-3),
+            cfg=cfg,
+            n_micro=n_micro,
+            keep=jnp.asarray(keep),
+        )
+        assert float(metrics["ce_loss"]) == pytest.approx((ce / divisor).item(), rel=1e-5)
+        assert float(metrics["z_loss"]) == pytest.approx((z / divisor).item(), rel=1e-5)
+        results.append(np.asarray(opt.mu.lm_head))
+    # The dropped rows' tokens changed (third run): the same gradient, so they contributed nothing.
+    np.testing.assert_allclose(results[2], results[0], rtol=1e-5, atol=1e-9)
+
+
+def test_32b_preset_is_the_official_recipe():
+    """OLMo-core's src/scripts/official/OLMo3/OLMo-3-1025-32B-pretrain.py, field by field."""
+    cfg, seven = train.PRESETS["32b"], train.PRESETS["7b"]
+    assert cfg.global_batch * cfg.seq_len == 8 * 1024 * 1024 and cfg.seq_len == 8192  # GLOBAL_BATCH_SIZE
+    assert (cfg.lr, cfg.warmup_steps, cfg.lr_final, cfg.seed) == (6e-4, 2000, 0.1, 34521)  # LR, CosWithWarmup
+    # One epoch of the mix (max_duration=Duration.epochs(1)): the 7B's 1,413,814 steps of 512 = 706,907 of 1024.
+    assert cfg.lr_horizon == cfg.steps == 1_413_814 * 512 // 1024
+    assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.clip, cfg.z_loss) == (
+        0.9,
+        0.95,
+        1e-8,
+        0.1,
+        1.0,
+        1e-5,
+    )
+    assert (cfg.skip_window, cfg.skip_sigma) == (128, 6.0)  # SkipStepAdamWConfig's defaults
+    assert cfg.repeat_filter == 32 and data.REPEAT_PERIODS == (1, 13)  # InstanceFilterConfig(13, 1, 32)
+    assert seven.repeat_filter == 0  # the 7B relies on the skip-step optimizer instead
 
 
 def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
@@ -447,6 +508,31 @@ def test_train_step_traces_once(tiny_data, tmp_path, monkeypatch):
     )
     assert train.main(cfg) == 0
     assert len(traces) == 1
+
+
+def test_the_repeat_filter_logs_what_it_drops_and_hashes_what_it_read(tiny_data, tmp_path):
+    tokens = np.fromfile(tiny_data / "train" / "part-00000.npy", np.uint16)[: 64 * 200].copy()
+    for start in range(0, len(tokens) - 64, 300):  # a token repeated 40 times every 300 tokens
+        tokens[start : start + 40] = 17
+    tokens.tofile(tmp_path / "repeats.npy")
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"],
+        data=str(tmp_path / "repeats.npy"),
+        seq_len=64,
+        steps=4,
+        run_dir=str(tmp_path / "run"),
+        eval_every=100,
+        ckpt_every=100,
+        samples=0,
+        repeat_filter=32,
+    )
+    assert train.main(cfg) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    loader = data.TokenLoader([tmp_path / "repeats.npy"], 64, 8, dtype=np.uint16)
+    batches = [loader.global_batch(i) for i in range(4)]
+    assert [r["filtered"] for r in rows] == [int(data.repeated(b, 32).sum()) for b in batches]
+    assert sum(r["filtered"] for r in rows) > 0
+    assert [r["batch_hash"] for r in rows] == [data.format_hash(data.batch_hash(b)) for b in batches]
 
 
 @pytest.mark.slow
