@@ -859,6 +859,134 @@ class Preemption:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Two implementations (or precisions) of the same weights on held-out tokens: `ckpt.py compare`.
+
+
+def side(spec: str, attention: str = "reference"):
+    """One side of a comparison, `[transformers:]PATH[:bf16]` with PATH a run directory (its newest valid
+    checkpoint) or a Hugging Face directory: (vocab size, logits(tokens, chunk) -> each chunk's fp32
+    logits). The features are computed once and the LM head a chunk of positions at a time, so a long
+    context never holds its whole (positions x vocab) logits. Ours runs on every local device (a mesh whose
+    tensor axis spans them); transformers' on the CPU."""
+    engine, _, rest = spec.partition(":") if spec.startswith("transformers:") else ("ours", "", spec)
+    path, _, dtype = rest.rpartition(":") if rest.endswith(":bf16") else (rest, "", "")
+    if engine == "transformers":
+        return _transformers_side(Path(path), dtype == "bf16")
+    import shard
+
+    mesh = shard.make_mesh(f"tensor={len(jax.devices())}")
+    compute = Compute(dtype="bfloat16" if dtype else "float32", attention=attention)
+    model = _load_for_compare(Path(path), compute, mesh)
+    features = eqx.filter_jit(lambda m, t: m.features(t, shard.Layout(mesh)))
+    head = jax.jit(lambda x, w: jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32))
+
+    def logits(tokens: np.ndarray, chunk: int):
+        x = features(model, jnp.asarray(tokens, jnp.int32))
+        for start in range(0, len(tokens), chunk):
+            yield np.asarray(head(x[start : start + chunk], model.lm_head))[:, : model.cfg.vocab_size]
+
+    return model.cfg.vocab_size, logits
+
+
+def _load_for_compare(path: Path, compute: Compute, mesh) -> Olmo3:
+    """The weights of a Hugging Face directory, or of a run's newest valid checkpoint, straight onto the mesh."""
+    import shard
+
+    place = lambda cfg: shard.shardings(eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0)), mesh)
+    if not (path / "checkpoints").is_dir():  # not a run directory: a Hugging Face one
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        return load_hf(path, shardings=place(cfg), compute=compute)
+    ckpts = Checkpoints(path, read_only=True)
+    try:
+        for step in reversed(ckpts.steps()):
+            try:
+                cfg = config_from_hf(ckpts.read_meta(step)["model"], f"{ckpts.dir / str(step)} meta")
+                like = shard.abstract(eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0)), place(cfg))
+                return ckpts.read(step, like)[0].using(compute)
+            except CorruptCheckpoint as e:
+                print(f"checkpoint {step} is corrupt ({e}); trying the one before it", file=sys.stderr)
+        raise FileNotFoundError(f"{path}: no valid checkpoint, and not a Hugging Face directory")
+    finally:
+        ckpts.close()
+
+
+def _transformers_side(path: Path, bf16: bool):
+    import torch
+    import transformers
+    from transformers import Olmo3ForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{path}: transformers reads Hugging Face directories; export a run with "
+            f"`python ckpt.py to-hf {path} OUT` first"
+        )
+    transformers.utils.logging.disable_progress_bar()
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    hf = Olmo3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+
+    @torch.no_grad()
+    def logits(tokens: np.ndarray, chunk: int):
+        hidden = hf.model(input_ids=torch.as_tensor(tokens.astype(np.int64))[None]).last_hidden_state[0]
+        for start in range(0, len(tokens), chunk):
+            yield hf.lm_head(hidden[start : start + chunk]).float().numpy()
+
+    return hf.config.vocab_size, logits
+
+
+def compare(ref, cand, files: list[str], length: int, n_tokens: int, chunk: int = 256) -> dict:
+    """Two sides' (see side()) next-token predictions over held-out sequences of `length` tokens, read in
+    order: each side's mean loss, and between them top-1 agreement, how many distinct tokens the reference
+    predicts, KL(ref || cand) per position (mean, max) and the largest difference in one token's loss."""
+    (vocab, ref_logits), (cand_vocab, cand_logits) = ref, cand
+    if vocab != cand_vocab:
+        raise ValueError(f"the two sides' vocabularies differ ({vocab}, {cand_vocab}): not the same model")
+    loader = data.TokenLoader(files, length, 1, dtype=data.dtype_for_vocab(vocab), vocab_size=vocab)
+    totals = dict(ref_loss=0.0, cand_loss=0.0, agree=0, kl=0.0, max_kl=0.0, max_loss_diff=0.0, n=0)
+    predicted = set()
+    for j in range(min(loader.num_instances, max(1, n_tokens // length))):
+        tokens = loader.instance(j)
+        for start, (a, b) in zip(
+            range(0, length, chunk), zip(ref_logits(tokens, chunk), cand_logits(tokens, chunk))
+        ):
+            a, b, targets = (
+                a[: length - 1 - start],
+                b[: length - 1 - start],
+                tokens[start + 1 : start + chunk + 1],
+            )
+            la, lb = (x.astype(np.float64) - _logsumexp(x.astype(np.float64)) for x in (a, b))
+            ce_a, ce_b = (
+                -np.take_along_axis(x, targets[:, None].astype(np.int64), 1)[:, 0] for x in (la, lb)
+            )
+            kl = (np.exp(la) * (la - lb)).sum(-1)
+            totals["ref_loss"] += ce_a.sum()
+            totals["cand_loss"] += ce_b.sum()
+            totals["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
+            totals["kl"] += kl.sum()
+            totals["max_kl"] = max(totals["max_kl"], float(kl.max()))
+            totals["max_loss_diff"] = max(totals["max_loss_diff"], float(np.abs(ce_a - ce_b).max()))
+            totals["n"] += len(targets)
+            predicted |= set(a.argmax(-1).tolist())
+    n = totals["n"]
+    return dict(
+        length=length,
+        sequences=j + 1,
+        targets=n,
+        ref_loss=totals["ref_loss"] / n,
+        cand_loss=totals["cand_loss"] / n,
+        top1=totals["agree"] / n,
+        distinct_top1=len(predicted),
+        mean_kl=totals["kl"] / n,
+        max_kl=totals["max_kl"],
+        max_token_loss_diff=totals["max_loss_diff"],
+    )
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    top = x.max(-1, keepdims=True)
+    return top + np.log(np.exp(x - top).sum(-1, keepdims=True))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Command line
 
 
@@ -977,6 +1105,22 @@ def main(argv: list[str]) -> int:
     p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
+    p = sub.add_parser(
+        "compare",
+        help="two sides' next-token predictions on held-out tokens",
+        description="Each side: [transformers:]PATH[:bf16], PATH a run directory or an HF directory.",
+    )
+    p.add_argument("ref")
+    p.add_argument("candidate")
+    p.add_argument("--data", required=True, help="held-out token files (comma-separated, globs allowed)")
+    p.add_argument("--seq_len", default="2048", help="context lengths, comma-separated, e.g. 2048,8192")
+    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens per length")
+    p.add_argument("--chunk", type=int, default=256, help="positions per chunk of logits")
+    p.add_argument("--attention", default="reference", help="our side's kernel (olmo3.ATTENTION_KERNELS)")
+    p.add_argument("--min_top1", type=float, default=0.0, help="fail below this top-1 agreement")
+    p.add_argument("--max_kl", type=float, default=float("inf"), help="fail past this KL at any position")
+    p.add_argument("--max_token_loss_diff", type=float, default=float("inf"), help="fail past this (nats)")
+    p.add_argument("--max_loss_diff", type=float, default=float("inf"), help="fail past this mean-loss gap")
     args = parser.parse_args(argv)
     try:
         return run_command(args)
@@ -1006,6 +1150,8 @@ def run_command(args) -> int:
         step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)
         print(f"wrote step {step} of {args.run_dir} to {args.out}")
         return 0
+    if args.command == "compare":
+        return compare_command(args)
     cfg = import_hf(args.hf_dir, args.run_dir)
     preset = preset_of(cfg)
     hint = (
@@ -1015,6 +1161,44 @@ def run_command(args) -> int:
     )
     print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with:\n  {hint}")
     return 0
+
+
+def compare_command(args) -> int:
+    files, _, _ = data.resolve(args.data)
+    print(f"ref {args.ref} vs candidate {args.candidate}, over held-out tokens of {args.data}")
+    print(
+        f"{'length':>7} {'seqs':>5} {'loss ref':>9} {'loss cand':>9} {'top-1':>8} {'distinct':>8} "
+        f"{'mean KL':>9} {'max KL':>9} {'max |dloss|':>11}"
+    )
+    failed, sides = [], [side(args.ref, args.attention), side(args.candidate, args.attention)]
+    for length in map(int, args.seq_len.split(",")):
+        r = compare(*sides, files, length, args.tokens, args.chunk)
+        print(
+            f"{length:>7} {r['sequences']:>5} {r['ref_loss']:9.5f} {r['cand_loss']:9.5f} {r['top1']:8.4%} "
+            f"{r['distinct_top1']:>8} {r['mean_kl']:9.2e} {r['max_kl']:9.2e} {r['max_token_loss_diff']:11.2e}"
+        )
+        failed += [
+            f"{name} at {length}: {value:.3g} (limit {limit:.3g})"
+            for name, value, limit, bad in [
+                ("top-1 agreement", r["top1"], args.min_top1, r["top1"] < args.min_top1),
+                ("max KL", r["max_kl"], args.max_kl, r["max_kl"] > args.max_kl),
+                (
+                    "max token loss difference",
+                    r["max_token_loss_diff"],
+                    args.max_token_loss_diff,
+                    r["max_token_loss_diff"] > args.max_token_loss_diff,
+                ),
+                (
+                    "mean loss difference",
+                    abs(r["ref_loss"] - r["cand_loss"]),
+                    args.max_loss_diff,
+                    abs(r["ref_loss"] - r["cand_loss"]) > args.max_loss_diff,
+                ),
+            ]
+            if bad
+        ]
+    print("\n".join(f"FAILED: {f}" for f in failed) or "within tolerances")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
