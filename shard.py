@@ -10,6 +10,7 @@ single-device run.
 """
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -216,18 +217,18 @@ def tpu_target(name: str, num_slices: int = 1) -> Target:
     from jax.experimental import topologies
 
     # libtpu asks the cloud's metadata server which TPU this host is, and warns at length when there is
-    # none; naming the target and a host stops that. The default backend stays the CPU (train.py sets it).
+    # none; naming the target and a host stops that. It also locks itself to one process per machine, which
+    # guards chips; compiling touches none, so other JAX processes here may hold libtpu meanwhile. The
+    # default backend stays the CPU (train.py sets it).
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", name if sep else "v5p-8")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     megacore = {"chip_config_name": "megacore"} if family in ("v4", "v5p") else {}
-    try:
-        devices = topologies.get_topology_desc(
-            topology, platform="tpu", num_slices=num_slices, **megacore
-        ).devices
-    except (ImportError, RuntimeError) as e:
-        raise RuntimeError(
-            f"--topology {name}: compiling for a TPU needs libtpu: pip install -e '.[tpu]' ({e})"
-        ) from e
+    if importlib.util.find_spec("libtpu") is None:
+        raise RuntimeError(f"--topology {name}: compiling for a TPU needs libtpu: pip install -e '.[tpu]'")
+    devices = topologies.get_topology_desc(
+        topology, platform="tpu", num_slices=num_slices, **megacore
+    ).devices
     return Target(name, topology, num_slices, tuple(devices), int(hbm * 2**30))
 
 

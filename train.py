@@ -591,14 +591,16 @@ def start_devices(cfg: TrainConfig):
             f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
         )
     target = None
-    if cfg.topology:
-        jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
-        target = shard.compile_target(cfg.topology, cfg.num_slices)
-    else:
-        shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
     try:
+        if cfg.topology:
+            jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
+            target = shard.compile_target(cfg.topology, cfg.num_slices)  # RuntimeError: its extra is missing
+        else:
+            shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
         return shard.make_mesh(cfg.mesh, list(target.devices) if target else None), target
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not cfg.topology:
+            raise
         raise FlagError(str(e)) from None
 
 
