@@ -653,9 +653,9 @@ class Checkpoints:
                 max_to_keep=keep_last,
                 keep_period=keep_every or None,
                 enable_async_checkpointing=True,
-                cleanup_tmp_directories=True,
+                cleanup_tmp_directories=True,  # an interrupted save's temporary folder is removed, never used
             )
-        )  # an interrupted save's temporary folder is removed, never used
+        )
         self._open()
 
     def _open(self):
@@ -842,11 +842,15 @@ class Preemption:
     JAX's preemption service tells every process the same step instead (a Python handler here would
     silently disable it). Installed before restoring and compiling, which take minutes at scale."""
 
-    def __init__(self):
-        self.signals = 0
+    def __enter__(self):
+        self.signals, self.before = 0, {}
         if jax.process_count() == 1:
-            signal.signal(signal.SIGTERM, self.on_signal)
-            signal.signal(signal.SIGINT, self.on_signal)
+            self.before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.before.items():  # the caller's handlers again (a test, a notebook)
+            signal.signal(s, handler)
 
     def on_signal(self, signum, frame):
         self.signals += 1

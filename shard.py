@@ -221,7 +221,7 @@ def tpu_target(name: str, num_slices: int = 1) -> Target:
     # guards chips; compiling touches none, so other JAX processes here may hold libtpu meanwhile. The
     # default backend stays the CPU (train.py sets it).
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", name if sep else "v5p-8")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    quiet_libtpu()
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     megacore = {"chip_config_name": "megacore"} if family in ("v4", "v5p") else {}
     if importlib.util.find_spec("libtpu") is None:
@@ -561,6 +561,17 @@ def cluster() -> str | None:
     if "JAX_COORDINATOR_ADDRESS" in env:
         return "JAX_COORDINATOR_ADDRESS"
     return None
+
+
+def quiet_libtpu() -> None:
+    """Where libtpu is installed but this machine has no TPU chip (JAX looks on the PCI bus when imported),
+    libtpu still asks the cloud's metadata server which TPU this host is, and prints a screenful of warnings
+    when there is none; telling it the host (and, lacking a TPU, no type) keeps it quiet. Before any backend."""
+    from jax._src import cloud_tpu_init
+
+    if not cloud_tpu_init.running_in_cloud_tpu_vm:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "none")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def initialize(

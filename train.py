@@ -11,7 +11,7 @@ Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunnin
 same --run_dir resumes from the newest valid checkpoint, bit for bit: the data order is a pure function of
 (seed, step), and everything else that shapes step k+1 is in the checkpoint.
 The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py` (stage 1 of the 7B) and
-`OLMo-3-1025-32B-pretrain-1.py`; the fields marked `recipe(...)` below are theirs.
+`OLMo-3-1025-32B-pretrain.py`; the fields marked `recipe(...)` below are theirs.
 """
 
 import collections
@@ -62,9 +62,7 @@ def recipe(default, **accepts):
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
-    head_layout: str = recipe(
-        ""
-    )  # e.g. 16x256: other heads x head_dim, same width; a new model (from scratch)
+    head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
     # data
     data: str = ""  # token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"
     data_root: str = ""  # prefix for relative paths in a mix file (a gcsfuse-mounted bucket is a local path)
@@ -85,14 +83,10 @@ class TrainConfig:
     eps: float = recipe(1e-8, above=0)
     weight_decay: float = recipe(0.1, low=0)  # decoupled, scaled by the current lr; embeddings exempt
     clip: float = recipe(1.0, above=0)  # global grad-norm clipping
-    skip_sigma: float = recipe(
-        6.0, above=0
-    )  # skip the update if loss or grad norm is this many std above ...
+    skip_sigma: float = recipe(6.0, above=0)  # skip the update if loss or grad norm is this many std above
     skip_window: int = recipe(128, low=2)  # ... the mean of this many previous steps, once half are known
     z_loss: float = recipe(1e-5, low=0)
-    repeat_filter: int = recipe(
-        0, low=0
-    )  # drop instances repeating 1-13 tokens this many times in a row; 0: off
+    repeat_filter: int = recipe(0, low=0)  # drop instances repeating 1-13 tokens this often in a row; 0: off
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
     compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
@@ -596,6 +590,7 @@ def start_devices(cfg: TrainConfig):
             jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
             target = shard.compile_target(cfg.topology, cfg.num_slices)  # RuntimeError: its extra is missing
         else:
+            shard.quiet_libtpu()
             shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
         return shard.make_mesh(cfg.mesh, list(target.devices) if target else None), target
     except (ValueError, RuntimeError) as e:
@@ -910,8 +905,7 @@ def main(cfg: TrainConfig) -> int:
     announce(cfg, mesh, model_cfg, compute)
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, n_micro, target)
-    preemption = ckpt.Preemption()
-    with ckpt.RunLock(cfg.run_dir):  # one writer per run directory
+    with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         run = set_up(cfg, mesh, model_cfg, compute, n_micro)
         start, model, opt, key = restore_or_init(run)
         run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake

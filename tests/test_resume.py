@@ -549,8 +549,20 @@ def test_compare_passes_an_exact_export_and_catches_an_altered_weight(reference,
     weights = load_file(tmp_path / "altered" / "model.safetensors")
     weights["model.layers.1.post_feedforward_layernorm.weight"] *= 1.01
     save_file(weights, tmp_path / "altered" / "model.safetensors", metadata={"format": "pt"})
-    limits = ["--data", tiny_data / "val" / "part-00000.npy", "--seq_len", "64,512", "--tokens", "2048",
-              "--min_top1", "0.999", "--max_token_loss_diff", "1e-4", "--max_kl", "1e-8"]
+    limits = [
+        "--data",
+        tiny_data / "val" / "part-00000.npy",
+        "--seq_len",
+        "64,512",
+        "--tokens",
+        "2048",
+        "--min_top1",
+        "0.999",
+        "--max_token_loss_diff",
+        "1e-4",
+        "--max_kl",
+        "1e-8",
+    ]
     exact = ckpt_cli("compare", reference[0], f"transformers:{tmp_path / 'hf'}", *limits)
     assert exact.returncode == 0 and "within tolerances" in exact.stdout, exact.stdout + exact.stderr[-2000:]
     rows = [line.split() for line in exact.stdout.splitlines() if line.strip().split()[0] in ("64", "512")]
@@ -558,4 +570,7 @@ def test_compare_passes_an_exact_export_and_catches_an_altered_weight(reference,
     assert all(float(r[2]) == pytest.approx(float(r[3]), abs=1e-5) for r in rows)  # the two sides' losses
     altered = ckpt_cli("compare", reference[0], f"transformers:{tmp_path / 'altered'}", *limits)
     assert altered.returncode == 1
-    assert "FAILED: max KL at 64" in altered.stdout and "FAILED: max token loss difference at 512" in altered.stdout
+    assert (
+        "FAILED: max KL at 64" in altered.stdout
+        and "FAILED: max token loss difference at 512" in altered.stdout
+    )
