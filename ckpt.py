@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import data
+import shard
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
@@ -876,8 +877,6 @@ def side(spec: str, attention: str = "reference"):
     path, _, dtype = rest.rpartition(":") if rest.endswith(":bf16") else (rest, "", "")
     if engine == "transformers":
         return _transformers_side(Path(path), dtype == "bf16")
-    import shard
-
     mesh = shard.make_mesh(f"tensor={len(jax.devices())}")
     compute = Compute(dtype="bfloat16" if dtype else "float32", attention=attention)
     model = _load_for_compare(Path(path), compute, mesh)
@@ -894,8 +893,6 @@ def side(spec: str, attention: str = "reference"):
 
 def _load_for_compare(path: Path, compute: Compute, mesh) -> Olmo3:
     """The weights of a Hugging Face directory, or of a run's newest valid checkpoint, straight onto the mesh."""
-    import shard
-
     place = lambda cfg: shard.shardings(eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0)), mesh)
     if not (path / "checkpoints").is_dir():  # not a run directory: a Hugging Face one
         cfg = config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
@@ -1126,6 +1123,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max_token_loss_diff", type=float, default=float("inf"), help="fail past this (nats)")
     p.add_argument("--max_loss_diff", type=float, default=float("inf"), help="fail past this mean-loss gap")
     args = parser.parse_args(argv)
+    shard.quiet_libtpu()
     try:
         return run_command(args)
     except (
