@@ -32,9 +32,10 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # Logical axis -> mesh axes (None: replicated). Parameters shard `embed` over fsdp (FSDP), and heads,
 # kv_heads, mlp and vocab over tensor (Megatron: column-parallel in, row-parallel out). The batch spans data
 # and fsdp.
-# One table for every weight keeps each pair of matrices consistent: the layout on which XLA miscompiles
-# (shared/docs/ecosystem.md section 2: both MLP matrices split dim 0 over fsdp and dim 1 over tensor, so the
-# hidden axis is on fsdp in one and on tensor in the other) cannot be written with it.
+# One table for every weight keeps each pair of matrices consistent: the layout on which XLA's CPU SPMD
+# partitioner computes wrong numbers (jax 0.8-0.10: x -> ((2x) @ up) @ down with both MLP matrices split dim 0
+# over fsdp and dim 1 over tensor, so the hidden axis is on fsdp in one and on tensor in the other; see
+# tests/test_shard.py) cannot be written with it.
 RULES: dict[str, tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
     "seq": None,
@@ -566,11 +567,12 @@ def cluster() -> str | None:
 def quiet_libtpu() -> None:
     """Where libtpu is installed but this machine has no TPU chip (JAX looks on the PCI bus when imported),
     libtpu still asks the cloud's metadata server which TPU this host is, and prints a screenful of warnings
-    when there is none; telling it the host (and, lacking a TPU, no type) keeps it quiet. Before any backend."""
+    when there is none. Naming a host and a type keeps it quiet; with no chip to drive, it then steps aside
+    for the CPU (or GPU) backend as before. Call before anything touches a device."""
     from jax._src import cloud_tpu_init
 
     if not cloud_tpu_init.running_in_cloud_tpu_vm:
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "none")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 

@@ -591,3 +591,22 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
         str(tmp_path / "hf8"),
     )
     assert out.returncode != 0 and "n_layers 8 (checkpoint) vs 4 (preset)" in out.stderr
+
+
+def test_a_nan_stops_the_run_naming_the_last_checkpoint_there_is(tmp_path):
+    import types
+
+    import ckpt
+
+    saved = ckpt.Checkpoints(tmp_path)
+    saved.save(7, olmo3.Olmo3(SMALL, key=jax.random.key(0)))
+    saved.close()
+    run = types.SimpleNamespace(checkpoints=ckpt.Checkpoints(tmp_path, read_only=True))
+    nan = {"loss": jnp.float32(jnp.nan), "grad_norm": jnp.float32(1.0)}
+    with pytest.raises(
+        FloatingPointError, match=f"step 9: loss nan, .*the last checkpoint is {tmp_path}/checkpoints/7"
+    ):
+        train.log_step(run, 9, nan, 0.0, 0, 0, None)
+    empty = types.SimpleNamespace(checkpoints=ckpt.Checkpoints(tmp_path / "new"))
+    with pytest.raises(FloatingPointError, match=r"\(no checkpoint yet\)"):
+        train.log_step(empty, 3, nan, 0.0, 0, 0, None)
