@@ -607,7 +607,12 @@ def _orbax_detail_to(log: Path | None) -> None:
 
 
 def _late_callback(default, log: Path | None, unraisable) -> None:
-    if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+    """Route to `log` the two late reports of a failure Checkpoints has already reported: the closed event
+    loop, and an Orbax coroutine (reading another array of a damaged checkpoint) collected after its error."""
+    code = getattr(unraisable.object, "cr_code", None)
+    from_orbax = code is not None and f"orbax{os.sep}" in code.co_filename
+    closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+    if closed_loop or from_orbax:
         if log:
             import traceback
 

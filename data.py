@@ -457,14 +457,17 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
     raise ValueError(f"unknown tokenizer {name!r}: expected 'dolma2' or 'tiny'")
 
 
+def tiny_tokenizer_file(path: str | None) -> str:
+    """Where the tiny tokenizer trained by `prepare` lives: `path` itself if it names a .json file, else
+    tokenizer.json in the directory `path` (default data/tiny)."""
+    return path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
+
+
 def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json for a Hugging Face model directory: transformers'
     AutoTokenizer loads them and gives the ids get_tokenizer(name, path) gives."""
     if name == "tiny":
-        file = (
-            path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
-        )
-        with open(file) as f:
+        with open(tiny_tokenizer_file(path)) as f:
             body = f.read()
         specials = {"eos_token": TINY_EOS}
     elif name == "dolma2":

@@ -872,13 +872,13 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: 
 
 
 def write_config(run_dir: Path, cfg: TrainConfig, tokenizer_path: str | None) -> None:
-    """The run is accepted: its config is the run directory's now, and (tiny) so is its tokenizer, which
-    `ckpt.py to-hf` ships with the weights."""
+    """The run is accepted: its config is the run directory's now, and so is the tiny tokenizer, if the run
+    has one (token files made elsewhere may come without it), which `ckpt.py to-hf` ships with the weights."""
     if jax.process_index() == 0:
         data.write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-        if cfg.tokenizer == "tiny":
-            tiny = data.hf_tokenizer_files("tiny", tokenizer_path)["tokenizer.json"]
-            data.write_atomic(run_dir / "tokenizer.json", tiny)
+        tiny = data.tiny_tokenizer_file(tokenizer_path)
+        if cfg.tokenizer == "tiny" and os.path.exists(tiny):
+            data.write_atomic(run_dir / "tokenizer.json", Path(tiny).read_text())
 
 
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:

@@ -25,7 +25,9 @@ SMALL = {
 
 
 def run_reference(out: Path, ours: list[str] = (), **sizes):
-    flags = [f"--{k}={v}" for k, v in {**SMALL, **sizes}.items()] + [f"--ours={o}" for o in ours]
+    """bench/reference.py at SMALL's sizes (overridden by `sizes`; "" for a switch) with `ours` overrides."""
+    flags = [f"--{k}={v}" if v != "" else f"--{k}" for k, v in {**SMALL, **sizes}.items()]
+    flags += [f"--ours={o}" for o in ours]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as the benchmark runs
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "reference.py"), f"--out={out}", *flags],
@@ -42,7 +44,9 @@ def run_reference(out: Path, ours: list[str] = (), **sizes):
 
 @pytest.mark.slow
 def test_training_follows_olmo_core_step_by_step(tmp_path):
-    proc, result = run_reference(tmp_path)
+    """With the long comparison's parts too, at CI size: OLMo-core against itself from weights one ulp apart
+    (its noise), and our trained weights through transformers (the checker)."""
+    proc, result = run_reference(tmp_path, noise="", check_weights="")
     assert proc.returncode == 0, proc.stdout[-4000:]
     steps = result["steps"]
     assert [r["step"] for r in steps] == list(range(1, SMALL["steps"] + 1))
@@ -58,6 +62,11 @@ def test_training_follows_olmo_core_step_by_step(tmp_path):
         assert e["fp32_top1"] >= 0.999 and e["fp32_token_loss_diff"] <= 1e-3
         assert e["bf16_token_loss_diff"] > e["fp32_token_loss_diff"]  # bf16 compute really ran
     assert not result["failures"] and (tmp_path / "reference_loss.png").stat().st_size > 0
+    for noise, e in zip(result["noise"], result["held_out"]):  # the reference run again, weights nudged
+        assert noise["length"] == e["length"] and 0 < abs(noise["loss"] - noise["nudged_loss"]) < 1e-3
+        assert noise["loss"] == pytest.approx(e["olmo_core_loss"], rel=1e-12)
+    for check in result["same_weights"]:  # our weights, our model against transformers' Olmo3
+        assert check["top1"] >= 0.999 and check["max_token_loss_diff"] <= 1e-4 and check["mean_kl"] < 1e-8
 
 
 @pytest.mark.slow

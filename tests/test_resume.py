@@ -493,6 +493,31 @@ def test_list_shows_steps_and_validity_and_writes_nothing(reference, tmp_path):
     assert len(lines) <= 4 and not any("Traceback" in line or len(line) > 400 for line in lines), lines
 
 
+def test_late_orbax_reports_go_to_the_log_and_any_other_is_printed(tmp_path, capsys, monkeypatch):
+    # A damaged checkpoint fails one read; Orbax's other read coroutines are collected later and Python
+    # reports each (it happens under load, so it is simulated here): the one-line summary stands alone.
+    from orbax.checkpoint._src.serialization import serialization
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+
+    class Ours:
+        def __del__(self):
+            raise ValueError("ours")
+
+    Ours()  # Python reports the error in __del__ as unraisable: the hook's real argument type
+    (ours,) = seen
+    coroutine = type("Coroutine", (), {"cr_code": serialization._read_array_index_and_device_put.__code__})
+    error = ValueError("OUT_OF_RANGE: Error reading embed_tokens")
+    orbax_read = type(ours)((ValueError, error, None, None, coroutine()))
+    log = tmp_path / "log.txt"
+    ckpt._orbax_detail_to(log)
+    sys.unraisablehook(orbax_read)
+    assert capsys.readouterr().err == "" and "OUT_OF_RANGE" in log.read_text()
+    sys.unraisablehook(ours)
+    assert "ours" in capsys.readouterr().err and "ours" not in log.read_text()
+
+
 def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_path):
     for args in [("list", tmp_path / "typo"), ("to-hf", tmp_path / "typo", tmp_path / "out")]:
         out = ckpt_cli(*args)
