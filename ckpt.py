@@ -884,7 +884,11 @@ def side(spec: str, attention: str = "reference"):
         return _transformers_side(Path(path), dtype == "bf16")
     mesh = shard.make_mesh(f"tensor={len(jax.devices())}")
     compute = Compute(dtype="bfloat16" if dtype else "float32", attention=attention)
-    model = _load_for_compare(Path(path), compute, mesh)
+    return model_side(_load_for_compare(Path(path), compute, mesh), mesh)
+
+
+def model_side(model: Olmo3, mesh):
+    """A model in memory, its weights on `mesh`, as one side of a comparison (see side())."""
     features = eqx.filter_jit(lambda m, t: m.features(t, shard.Layout(mesh)))
     head = jax.jit(lambda x, w: jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32))
 

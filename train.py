@@ -436,9 +436,8 @@ def _fused_fwd(x, w, targets, mask, scale, chunk, z_loss):
 
 def _fused_bwd(chunk, z_loss, saved, cotangents):
     dx, dw, scale = saved
-    g = cotangents[
-        0
-    ]  # the loss is linear in the sums: its gradients are the forward's times g (1 for a loss)
+    # The loss is linear in the sums: its gradients are the forward's times g (1 for a loss).
+    g = cotangents[0]
     return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None, jnp.zeros_like(scale)
 
 

@@ -248,10 +248,12 @@ def leaves(model) -> dict[str, np.ndarray]:
     }
 
 
-def test_optimizer_matches_olmo_core_skip_step_adamw():
+@pytest.mark.parametrize("skip_window", [128, 8])
+def test_optimizer_matches_olmo_core_skip_step_adamw(skip_window):
     """Same gradients in, same parameters out, over 80 steps that cover warmup of the skip rule,
-    weight-decay exclusion of the embeddings, clipping, and forced skips on a loss and a grad-norm spike."""
-    cfg = dataclasses.replace(train.PRESETS["7b"], lr=1e-2)
+    weight-decay exclusion of the embeddings, clipping, and forced skips on a loss and a grad-norm spike;
+    with the recipe's window of 128 steps, and with one of 8 whose history wraps around ten times."""
+    cfg = dataclasses.replace(train.PRESETS["7b"], lr=1e-2, skip_window=skip_window)
     model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
     names = leaves(model)
     names = {("embed_tokens" if k == "embed_tokens" else k): v for k, v in names.items()}
@@ -284,12 +286,13 @@ def test_optimizer_matches_olmo_core_skip_step_adamw():
             group["lr"] = lr
         torch_opt.step()
         assert bool(torch_opt.step_skipped) == skipped[-1], f"step {k}"
-    assert [k + 1 for k, s in enumerate(skipped) if s] == [70, 75]
+    skips = [k + 1 for k, s in enumerate(skipped) if s]
+    assert skips == [70, 75] if skip_window == 128 else {70, 75} <= set(skips)
     for name, ours in leaves(params).items():
         np.testing.assert_allclose(
             ours, torch_params[name].detach().numpy(), rtol=2e-5, atol=2e-7, err_msg=name
         )
-    assert int(opt.count) == 78 and int(torch_opt.state[torch_params["norm"]]["step"]) == 78
+    assert int(opt.count) == 80 - len(skips) == int(torch_opt.state[torch_params["norm"]]["step"])
 
 
 def test_skipped_step_leaves_everything_untouched():
