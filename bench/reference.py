@@ -218,7 +218,6 @@ def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
 
 def our_run(args, files, out: Path):
     """train.py's step on data.py's batches from OLMo-core's initial weights: our trained model and records."""
-    model = ckpt.load_hf(out / "init-hf", compute=olmo3.Compute(dtype="float32", attention="reference"))
     # The official recipe's defaults (betas, eps, weight decay, clipping, z-loss, skip sigma), where OLMo-core's
     # side spells them out: a wrong default here would show. Scaled down: the sizes and the schedule.
     cfg = dataclasses.replace(
@@ -233,10 +232,14 @@ def our_run(args, files, out: Path):
         steps=args.steps,
         skip_window=args.skip_window,
         repeat_filter=args.repeat_filter,
+        compute=olmo3.Compute(
+            dtype="float32", attention="reference"
+        ),  # --ours attention=local: the CPU default
     )
     for override in args.ours:
         name, value = override.split("=", 1)
         cfg = train.with_flag(cfg, name, train.flags()[name][0].type(value))
+    model = ckpt.load_hf(out / "init-hf", compute=cfg.compute)  # the model computes as its compute says
     loader = data.TokenLoader(
         files["train"],
         cfg.seq_len,
