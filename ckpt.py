@@ -829,6 +829,26 @@ class Checkpoints:
         self._open()  # the manager caches its list of steps
 
 
+def differences(meta: dict, expected: dict, recipe_fields) -> tuple[dict, list[str]]:
+    """How a checkpoint's metadata differs from what a run expects: the model shape's fields, as
+    {name: (saved, now)}, and the recipe's changes (its `recipe_fields` of the config, the compute dtype, the
+    data's fingerprint), as lines. Weights from `ckpt.py from-hf` carry no config: any recipe may start there."""
+    saved, now = meta.get("model", {}), expected["model"]
+    shape = {k: (saved.get(k), now.get(k)) for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)}
+    if "config" not in meta:
+        return shape, []
+    saved, now = meta["config"], expected["config"]
+    changes = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in recipe_fields if saved.get(k) != now[k]]
+    # Of the compute policy only the dtype changes the numbers (kernels and remat change rounding at most).
+    if (old := saved.get("compute", {}).get("dtype")) != now["compute"]["dtype"]:
+        changes.append(f"dtype: {old!r} -> {now['compute']['dtype']!r}")
+    try:
+        data.check_fingerprint(meta["data"], expected["data"])
+    except ValueError as e:
+        changes.append(str(e))
+    return shape, changes
+
+
 def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 

@@ -18,6 +18,7 @@ heads, kv_heads, head_dim, mlp, vocab, and layers for the stacked blocks.
 Einsum letters (attention): s/t query/key position, k kv_heads, g query heads per kv head, h head_dim.
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -153,6 +154,18 @@ class Olmo3Config:
         )
         pairs = sum(self.attention_pairs(seq, t) for t in self.layer_types)
         return 6 * matmul_params + 12 * self.n_heads * self.head_dim * pairs / seq
+
+    def with_heads(self, heads: int, head_dim: int) -> "Olmo3Config":
+        """The same width in another head layout, e.g. 16 x 256 for 32 x 128: the same parameters and group
+        size, but one softmax over 256 dimensions and other RoPE frequencies, so another model (to train
+        from scratch; the released 32 x 128 weights do not load into it)."""
+        group = self.n_heads // self.n_kv_heads
+        if heads * head_dim != self.n_heads * self.head_dim or heads % group:
+            raise ValueError(
+                f"--head_layout {heads}x{head_dim}: expected heads x head_dim = {self.n_heads * self.head_dim} "
+                f"with heads a multiple of {group}"
+            )
+        return dataclasses.replace(self, n_heads=heads, head_dim=head_dim, n_kv_heads=heads // group)
 
     def window(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == SLIDING else None
@@ -330,23 +343,25 @@ def _local_attention(q, k, v, window):
     # Sliding-window attention in blocks of `window` queries, each against its own block of keys and the
     # one before: exactly the keys the window can reach, so the same softmax as the reference without the
     # (seq x seq) scores, of which all but ~2 * window per query are masked to an exact zero anyway.
+    # Suffixes name the axes after `*batch`: N blocks, W = window positions in a block (2W: the block
+    # before and this one), K kv heads, G query heads per kv head, H head_dim.
     *batch, seq, n_heads, head_dim = q.shape
     n_kv, n_blocks = k.shape[-2], seq // window
-    qb = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
+    q_NxWxKxGxH = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
     earlier = lambda x: jnp.concatenate([jnp.zeros_like(x[..., :1, :, :, :]), x[..., :-1, :, :, :]], axis=-4)
-    kb, vb = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
-    k2, v2 = (jnp.concatenate([earlier(x), x], axis=-3) for x in (kb, vb))  # ... block, 2 * window keys
-    scores = (
-        jnp.einsum("...iskgh,...itkh->...ikgst", qb, k2, preferred_element_type=jnp.float32) * head_dim**-0.5
+    k_NxWxKxH, v_NxWxKxH = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
+    k_Nx2WxKxH, v_Nx2WxKxH = (jnp.concatenate([earlier(x), x], axis=-3) for x in (k_NxWxKxH, v_NxWxKxH))
+    scores_NxKxGxWx2W = jnp.einsum(
+        "...iskgh,...itkh->...ikgst", q_NxWxKxGxH, k_Nx2WxKxH, preferred_element_type=jnp.float32
     )
     s = jnp.arange(window)[None, :, None] + window  # query and key positions in (previous block, this block)
     t = jnp.arange(2 * window)[None, None, :]
     first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
     mask = (t <= s) & (s - t < window) & ~(first & (t < window))
     mask = mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window))
-    probs = masked_softmax(scores, mask).astype(v.dtype)
-    out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v2)
-    return out.reshape(*batch, seq, n_heads, head_dim)
+    probs_NxKxGxWx2W = masked_softmax(scores_NxKxGxWx2W * head_dim**-0.5, mask).astype(v.dtype)
+    out_NxWxKxGxH = jnp.einsum("...ikgst,...itkh->...iskgh", probs_NxKxGxWx2W, v_Nx2WxKxH)
+    return out_NxWxKxGxH.reshape(*batch, seq, n_heads, head_dim)
 
 
 def _splash_attention(q, k, v, window, layout):

@@ -299,6 +299,28 @@ def compile_target(name: str, num_slices: int = 1) -> Target:
     return tpu_target(name, num_slices)
 
 
+def start(
+    spec: str,
+    topology: str = "",
+    num_slices: int = 1,
+    coordinator: str = "",
+    num_processes: int = 0,
+    process_id: int = -1,
+    heartbeat_timeout: int = 100,
+) -> tuple[Mesh, Target | None]:
+    """The mesh a run computes on, over every device of every process (started by `initialize`), and None;
+    or, given a topology, the mesh over the devices of a slice this machine does not have, which exist only
+    for the compiler, and that target. Run before anything touches a device: XLA reads its flags when the
+    first backend starts. ValueError names the flag at fault; RuntimeError: the topology's extra is missing."""
+    if topology:
+        jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
+        target = compile_target(topology, num_slices)
+        return make_mesh(spec, list(target.devices)), target
+    quiet_libtpu()
+    initialize(coordinator, num_processes, process_id, heartbeat_timeout)
+    return make_mesh(spec), None
+
+
 def describe(mesh: Mesh, target: Target | None) -> str:
     """The devices a mesh spans, as a dry run names them."""
     if target is None:

@@ -14,7 +14,6 @@ The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py
 `OLMo-3-1025-32B-pretrain.py`; the fields marked `recipe(...)` below are theirs.
 """
 
-import collections
 import dataclasses
 import difflib
 import functools
@@ -22,11 +21,13 @@ import importlib.util
 import inspect
 import json
 import math
+import operator
 import os
 import re
 import sys
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
+from tqdm import tqdm
 
 import ckpt
 import data
@@ -50,9 +52,8 @@ def flag(default, recipe=False, low=None, above=None, high=None, choices=None):
     """A TrainConfig field and what `check` accepts for it: at least `low`, more than `above`, at most
     `high`, one of `choices`. A recipe field changes the numbers a run computes, so a resume must match it
     (or be given --allow_config_change); the others (mesh, microbatch, intervals) may change freely."""
-    return dataclasses.field(
-        default=default, metadata=dict(recipe=recipe, low=low, above=above, high=high, choices=choices)
-    )
+    bounds = [(op, b) for op, b in ((">=", low), (">", above), ("<=", high)) if b is not None]
+    return dataclasses.field(default=default, metadata=dict(recipe=recipe, bounds=bounds, choices=choices))
 
 
 def recipe(default, **accepts):
@@ -180,69 +181,64 @@ def value_of(cfg: TrainConfig, name: str):
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """`--preset NAME` picks the base; every other flag then sets one field. Checked by `check` before use."""
-    known, pairs, i = flags(), [], 0
-    if {"-h", "--help"} & set(argv):
+    """`--preset NAME` picks the base; every other flag then sets one field: `--name value`, `--name=value`,
+    or a bare `--name` for a boolean's true. Checked by `check` before use."""
+    known, pairs, args = flags(), [], list(argv)
+    if {"-h", "--help"} & set(args):
         print(
             f"usage: python train.py [--preset {'|'.join(PRESETS)}] [--FLAG VALUE ...]; each flag sets one "
-            "field of the preset. Flags and the 7b preset's values:"
-        )
-        print(
-            "\n".join(
-                f"  --{k:<20} {value_of(PRESETS['7b'], k)!r:<14} {doc}" for k, (_, doc) in known.items()
-            )
+            "field of the preset. Flags and the 7b preset's values:",
+            *(f"  --{k:<20} {value_of(PRESETS['7b'], k)!r:<14} {doc}" for k, (_, doc) in known.items()),
+            sep="\n",
         )
         raise SystemExit(0)
-    while i < len(argv):
-        name, eq, value = argv[i].removeprefix("--").partition("=")
-        if not argv[i].startswith("--") or name not in known:
+    while args:
+        arg = args.pop(0)
+        name, eq, value = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or name not in known:
             close = ", ".join("--" + c for c in difflib.get_close_matches(name, known, n=3))
-            raise FlagError(
-                f"unknown flag {argv[i]}" + (f"; did you mean {close}?" if close else "; see --help")
-            )
-        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value, i = argv[i + 1], i + 1
+            raise FlagError(f"unknown flag {arg}; " + (f"did you mean {close}?" if close else "see --help"))
+        if not eq and args and not args[0].startswith("--"):
+            value, eq = args.pop(0), "="
         elif not eq and known[name][0].type is not bool:
             raise FlagError(f"--{name} needs a value")
-        pairs.append((name, value if eq or value else "true"))
-        i += 1
-    cfg = PRESETS.get(dict(pairs).get("preset", "7b"))
-    if cfg is None:
-        raise FlagError(f"--preset {dict(pairs)['preset']!r}: expected one of {', '.join(PRESETS)}")
+        pairs.append((name, value if eq else "true"))
+    if (cfg := PRESETS.get(preset := dict(pairs).get("preset", "7b"))) is None:
+        raise FlagError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
     for name, value in pairs:
         kind = known[name][0].type
         try:
-            if kind is bool and value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError("expected true or false")
-            cfg = with_flag(cfg, name, value.lower() in ("true", "1") if kind is bool else kind(value))
+            if kind is bool and value.lower() not in BOOLS:
+                raise ValueError(value)
+            cfg = with_flag(cfg, name, BOOLS[value.lower()] if kind is bool else kind(value))
         except ValueError as e:  # a value of the wrong type, or one olmo3.Compute refuses
+            expected = "true or false" if kind is bool else kind.__name__
             raise FlagError(
-                str(e)
-                if str(e).startswith("--")
-                else f"--{name} {value!r}: expected {'true or false' if kind is bool else kind.__name__}"
+                str(e) if str(e).startswith("--") else f"--{name} {value!r}: expected {expected}"
             ) from None
     return cfg
+
+
+BOOLS = {"true": True, "1": True, "false": False, "0": False}
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 def check(cfg: TrainConfig) -> None:
     """Refuse nonsense before anything is compiled or written: FlagError names the flag, the value and what
     would be accepted."""
     for name, (field, _) in flags().items():
-        value, m = value_of(cfg, name), field.metadata
-        bounds = [
-            (op, m.get(key))
-            for key, op in [("low", ">="), ("above", ">"), ("high", "<=")]
-            if m.get(key) is not None
-        ]
-        if not all(
-            {">=": value >= bound, ">": value > bound, "<=": value <= bound}[op] for op, bound in bounds
-        ):
+        value, bounds, choices = (
+            value_of(cfg, name),
+            field.metadata.get("bounds", []),
+            field.metadata.get("choices"),
+        )
+        if not all(COMPARE[op](value, bound) for op, bound in bounds):
             kind = "an integer" if field.type is int else "a number"
             raise FlagError(
                 f"--{name} {value}: expected {kind} " + " and ".join(f"{op} {b}" for op, b in bounds)
             )
-        if m.get("choices") and value not in m["choices"]:
-            raise FlagError(f"--{name} {value!r}: expected one of {', '.join(m['choices'])}")
+        if choices and value not in choices:
+            raise FlagError(f"--{name} {value!r}: expected one of {', '.join(choices)}")
     if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
         raise FlagError(
             f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
@@ -394,8 +390,8 @@ def lm_head_chunks(
     chunk: int,
     cotangent=None,
 ):
-    """(CE sum, logsumexp^2 sum) over the masked-in positions, `chunk` positions of every instance at a time;
-    given the cotangent of those two sums, also their gradients with respect to x and w."""
+    """(CE sum, logsumexp^2 sum) over the masked-in positions, `chunk` positions of every instance at a time,
+    and, given the cotangent of those two sums, their gradients with respect to x and w (else None, None)."""
     batch, seq, d = x.shape
     chunk = chunk or seq
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
@@ -417,7 +413,7 @@ def lm_head_chunks(
     inputs = (by_chunk(x), by_chunk(targets), by_chunk(mask))
     dw, ((ce, zz), dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), inputs)
     if cotangent is None:
-        return ce.sum(), zz.sum()
+        return (ce.sum(), zz.sum()), None, None
     return (ce.sum(), zz.sum()), jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
 
 
@@ -425,7 +421,7 @@ def lm_head_chunks(
 def fused_lm_head_loss(x, w, targets, mask, scale, chunk: int, z_loss: float):
     """scale * (CE + z_loss * logsumexp^2) summed over the masked-in positions, and the two sums. Only the
     first output carries a gradient (loss_fn stops the second's)."""
-    ce, zz = lm_head_chunks(x, w, targets, mask, chunk)
+    (ce, zz), _, _ = lm_head_chunks(x, w, targets, mask, chunk)
     return scale * (ce + z_loss * zz), (ce, zz)
 
 
@@ -502,7 +498,10 @@ def eval_step(model, batch, chunk: int, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
     layout = None if mesh is None else shard.Layout(mesh)
     x, mask = model.features(batch, layout), targeted(jnp.ones(batch.shape[0], bool), batch.shape[1])
-    return lm_head_chunks(x, model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1), mask, chunk)[0]
+    (ce, _), _, _ = lm_head_chunks(
+        x, model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1), mask, chunk
+    )
+    return ce
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -525,21 +524,13 @@ def attention_kernel(cfg: TrainConfig, platform: str) -> str:
 
 
 def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
-    """The preset's model (or `base`) with this run's head layout and sequence length."""
+    """The preset's model (or `base`) in this run's head layout and sequence length."""
     m = base or olmo3.PRESETS[cfg.preset]
     if cfg.head_layout:
-        # e.g. 16 x 256 instead of 32 x 128: the same width and parameter count, but one softmax over 256
-        # dimensions and other RoPE frequencies, so a different model: for training from scratch only; the
-        # released 32 x 128 weights do not load into it.
-        heads, head_dim = map(int, cfg.head_layout.split("x"))
-        if heads * head_dim != m.n_heads * m.head_dim or heads % (m.n_heads // m.n_kv_heads):
-            raise FlagError(
-                f"--head_layout {cfg.head_layout}: expected heads x head_dim = "
-                f"{m.n_heads * m.head_dim} with heads a multiple of {m.n_heads // m.n_kv_heads}"
-            )
-        m = dataclasses.replace(
-            m, n_heads=heads, head_dim=head_dim, n_kv_heads=heads // (m.n_heads // m.n_kv_heads)
-        )
+        try:
+            m = m.with_heads(*map(int, cfg.head_layout.split("x")))
+        except ValueError as e:
+            raise FlagError(str(e)) from None
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
 
 
@@ -574,43 +565,31 @@ def say(*args) -> None:
 
 
 def start_devices(cfg: TrainConfig):
-    """The mesh the run computes on, over every device of every process; with --topology, over devices of
-    a slice this machine does not have, which exist only for the compiler. Runs before anything touches a
-    device: XLA reads its flags when the first backend starts."""
-    # By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a varying order, and
-    # two runs of the same step drift apart; CPU and TPU steps are bitwise repeatable as they are.
+    """The mesh (and, with --topology, the slice compiled for): shard.start, after the one XLA flag exact
+    resumption needs. By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a
+    varying order, and two runs of the same step drift apart; CPU and TPU steps are bitwise repeatable."""
     if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (
-            f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
-        )
-    target = None
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true"
+    hosts = (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
     try:
-        if cfg.topology:
-            jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
-            target = shard.compile_target(cfg.topology, cfg.num_slices)  # RuntimeError: its extra is missing
-        else:
-            shard.quiet_libtpu()
-            shard.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
-        return shard.make_mesh(cfg.mesh, list(target.devices) if target else None), target
-    except (ValueError, RuntimeError) as e:
+        return shard.start(cfg.mesh, cfg.topology, cfg.num_slices, *hosts)
+    except (ValueError, RuntimeError) as e:  # RuntimeError: a run's devices failed, or --topology's extra
         if isinstance(e, RuntimeError) and not cfg.topology:
             raise
         raise FlagError(str(e)) from None
 
 
 def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute) -> None:
-    device = mesh.devices.flat[0]
+    device, peak = mesh.devices.flat[0], shard.peak_flops(mesh.devices.flat[0])
     n_params = olmo3.count_params(eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0)))
-    peak = shard.peak_flops(device)
     say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     say(
-        f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, attention kernel "
-        f"{compute.attention!r} on {device.platform}, compute {compute.dtype}, remat {compute.remat}; mesh "
-        f"{dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes"
+        f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
+        f"{model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} GFLOPs per token to train (exact causal/sliding count)"
     )
     say(
-        f"parameters: {n_params:,}; training FLOPs per token: {model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} G "
-        "(exact causal/sliding count); "
+        f"compute: attention kernel {compute.attention!r} on {device.platform}, {compute.dtype}, remat "
+        f"{compute.remat}; mesh {dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes; "
         + (f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else f"no MFU on {device.device_kind}")
     )
 
@@ -637,12 +616,8 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     batch s - 1."""
     run_dir = Path(cfg.run_dir)
     files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
-    kw = dict(
-        seed=cfg.seed,
-        dtype=data.dtype_for_vocab(model_cfg.vocab_size),
-        vocab_size=model_cfg.vocab_size,
-        work_dir=run_dir / "data",
-    )
+    vocab = model_cfg.vocab_size
+    kw = dict(seed=cfg.seed, dtype=data.dtype_for_vocab(vocab), vocab_size=vocab, work_dir=run_dir / "data")
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
     if cfg.steps > loader.num_batches:
         raise FlagError(
@@ -660,21 +635,25 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     )
 
 
+def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute):
+    """The model and optimizer state as abstract arrays with their shardings, nothing allocated: what a
+    restore reads into and a dry run compiles for."""
+    model = eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0), compute=compute)
+    sharded = lambda tree: shard.abstract(tree, shard.shardings(tree, mesh))
+    return sharded(model), sharded(eqx.filter_eval_shape(init_opt, model, cfg))
+
+
 def restore_or_init(run: Run):
     """(step, model, optimizer state, key): the newest valid checkpoint of the run directory, else released
     weights (--init_from_hf), else a fresh init. Parameters and optimizer state are born sharded."""
     cfg, mesh = run.cfg, run.mesh
-    abstract = eqx.filter_eval_shape(olmo3.Olmo3, run.model_cfg, key=jax.random.key(0), compute=run.compute)
-    abstract_opt = eqx.filter_eval_shape(init_opt, abstract, cfg)
-    model_sh, opt_sh = shard.shardings(abstract, mesh), shard.shardings(abstract_opt, mesh)
-    shard.check_rules(abstract, mesh)
+    model_like, opt_like = abstract_state(cfg, mesh, run.model_cfg, run.compute)
+    model_sh, opt_sh = shard.shardings(model_like, mesh), shard.shardings(opt_like, mesh)
+    shard.check_rules(model_like, mesh)
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
-    train_like = {
-        "opt": shard.abstract(abstract_opt, opt_sh),
-        "key": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh)),
-    }
+    key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
     restored = run.checkpoints.restore_latest(
-        shard.abstract(abstract, model_sh), train_like, check=lambda meta: check_resume(meta, run.meta, cfg)
+        model_like, {"opt": opt_like, "key": key_like}, check=lambda meta: check_resume(meta, run.meta, cfg)
     )
     key = jax.random.key(cfg.init_seed)
     if restored:
@@ -695,30 +674,15 @@ def restore_or_init(run: Run):
 
 def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
     """Refuse a checkpoint written for another model, data order or recipe, naming what changed."""
-    if meta.get("model") != expected["model"]:
-        saved, now = meta.get("model", {}), expected["model"]
-        diff = {k: (saved.get(k), now.get(k)) for k in set(saved) | set(now) if saved.get(k) != now.get(k)}
+    shape, changes = ckpt.differences(meta, expected, RECIPE_FIELDS)
+    if shape:
         raise FlagError(
-            f"--run_dir {cfg.run_dir} holds another model shape ({diff}, as (saved, now)); "
-            "use another --run_dir"
+            f"--run_dir {cfg.run_dir} holds another model shape ({shape}, as (saved, now)); use another --run_dir"
         )
-    if "config" not in meta:  # written by `ckpt.py from-hf`: weights only, any recipe may start from them
-        return
-    saved, now = meta["config"], expected["config"]
-    changes = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in RECIPE_FIELDS if saved.get(k) != now[k]]
-    # Of the compute policy only the dtype changes the numbers (kernels and remat change rounding at most).
-    if (old := saved.get("compute", {}).get("dtype")) != now["compute"]["dtype"]:
-        changes.append(f"dtype: {old!r} -> {now['compute']['dtype']!r}")
-    try:
-        data.check_fingerprint(meta["data"], expected["data"])
-    except ValueError as e:
-        changes.append(str(e))
     if changes and not cfg.allow_config_change:
         raise FlagError(
-            f"--run_dir {cfg.run_dir} was trained with another recipe: "
-            + "; ".join(changes)
-            + ". Pass --allow_config_change to resume anyway (e.g. to extend --steps), or use a "
-            "new --run_dir"
+            f"--run_dir {cfg.run_dir} was trained with another recipe: {'; '.join(changes)}. Pass "
+            "--allow_config_change to resume anyway (e.g. to extend --steps), or use a new --run_dir"
         )
 
 
@@ -745,31 +709,23 @@ def take_step(run: Run, step: int, model, opt, batch, keep=None):
 
 
 class Progress:
-    """The progress bar, and tokens/s over the last 20 steps, measured where each step's numbers arrive.
-    Evals and saves pause training, so the window restarts after them; until it has two points, the
-    previous rate stands."""
+    """The progress bar, and tokens/s over the last 20 steps, timed where each step's numbers arrive. Evals
+    and saves pause training, so the window restarts after them; until it holds two times again, the
+    previous rate stands. Step 1's rate includes the compilation."""
 
     def __init__(self, start: int, steps: int, tokens_per_step: int):
-        from tqdm import tqdm
-
-        self.bar = tqdm(
-            total=steps, initial=start, disable=jax.process_index() != 0, unit="step", dynamic_ncols=True
-        )
-        self.tokens_per_step, self.stamps, self.rate = tokens_per_step, collections.deque(maxlen=21), None
-        self.start = time.perf_counter()
+        lead = jax.process_index() == 0
+        self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
+        self.tokens_per_step, self.times, self.rate = tokens_per_step, deque([time.perf_counter()], 21), 0.0
 
     def tick(self) -> float:
-        self.stamps.append(time.perf_counter())
-        if len(self.stamps) > 1:
-            self.rate = self.tokens_per_step * (len(self.stamps) - 1) / (self.stamps[-1] - self.stamps[0])
-        return self.rate or self.tokens_per_step / (self.stamps[-1] - self.start)  # step 1: compile included
-
-    def show(self, row: dict) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        self.times.append(time.perf_counter())
+        if len(self.times) > 1:
+            self.rate = self.tokens_per_step * (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        return self.rate
 
     def restart(self) -> None:
-        self.stamps.clear()
+        self.times.clear()
 
 
 def log_step(
@@ -785,27 +741,17 @@ def log_step(
         raise FloatingPointError(
             f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; stopping ({last})"
         )
-    tps = meter.tick()
+    tokens_per_s, peak = meter.tick(), shard.peak_flops(run.mesh.devices.flat[0])
+    flops_per_s = tokens_per_s * run.model_cfg.flops_per_token(run.cfg.seq_len)
     batch_hash, filtered = shard.sum_over_processes([batch_hash, filtered])  # each process read its own rows
-    peak = shard.peak_flops(run.mesh.devices.flat[0])
-    flops = run.model_cfg.flops_per_token(run.cfg.seq_len)
-    row = dict(
-        step=step,
-        loss=metrics["loss"],
-        ce_loss=metrics["ce_loss"],
-        z_loss=metrics["z_loss"],
-        lr=lr_at(step, run.cfg),
-        grad_norm=metrics["grad_norm"],
-        skipped=metrics["skipped"],
-        filtered=filtered,
-        tokens=step * meter.tokens_per_step,
-        tokens_per_s=tps,
-        mfu=tps * flops / (peak * run.mesh.size) if peak else None,
-        data_wait_s=wait,
-        batch_hash=data.format_hash(batch_hash),
+    row = dict(step=step, **metrics, lr=lr_at(step, run.cfg), filtered=filtered, tokens_per_s=tokens_per_s)
+    row["mfu"] = flops_per_s / (peak * run.mesh.size) if peak else None
+    row |= dict(
+        tokens=step * meter.tokens_per_step, data_wait_s=wait, batch_hash=data.format_hash(batch_hash)
     )
     run.log.write(row)
-    meter.show(row)
+    meter.bar.update(1)
+    meter.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
 
 
 def evaluate(run: Run, step: int, model) -> float:
@@ -830,10 +776,8 @@ def save(run: Run, step: int, model, opt, key) -> None:
 def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int):
     """The train step compiled for the mesh from abstract inputs: nothing is allocated, so a 7B model on a
     pod's worth of devices compiles on a laptop. Returns the compiled step and its abstract inputs by name."""
-    abstract = eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0), compute=compute)
-    params, static = eqx.partition(shard.abstract(abstract, shard.shardings(abstract, mesh)), olmo3.is_array)
-    opt = eqx.filter_eval_shape(init_opt, abstract, cfg)
-    opt = shard.abstract(opt, shard.shardings(opt, mesh))
+    model, opt = abstract_state(cfg, mesh, model_cfg, compute)
+    params, static = eqx.partition(model, olmo3.is_array)
     batch = jax.ShapeDtypeStruct(
         (cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh)
     )
@@ -860,9 +804,8 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: 
     tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
     tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
     tips = ", ".join([*tips, "more chips, or a tensor axis in --mesh"])
-    fits = shard.fit_report(
-        lambda: compile_step(cfg, mesh, model_cfg, compute, n_micro), mesh, target, tips, say
-    )
+    compile_it = lambda: compile_step(cfg, mesh, model_cfg, compute, n_micro)
+    fits = shard.fit_report(compile_it, mesh, target, tips, say)
     if compute.attention == "reference":
         say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
@@ -881,16 +824,13 @@ def write_config(run_dir: Path, cfg: TrainConfig, tokenizer_path: str | None) ->
 
 
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
-    tok = data.get_tokenizer(cfg.tokenizer, tokenizer_path)
-    length = min(model.cfg.max_seq_len, cfg.seq_len)
+    tok, length = data.get_tokenizer(cfg.tokenizer, tokenizer_path), min(model.cfg.max_seq_len, cfg.seq_len)
     say("samples:")
     for i in range(cfg.samples):
         prompt = jnp.asarray([tok.eos_id], jnp.int32)  # a fresh document starts after an EOS
         out = olmo3.sample(model, prompt, length - 1, key=jax.random.key(i), temperature=0.8, top_k=50)
-        text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size]).split(
-            tok.decode([tok.eos_id])
-        )[0]
-        say(f"--- sample {i + 1} ---\n{text.strip()[:600]}")
+        text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size])
+        say(f"--- sample {i + 1} ---\n{text.split(tok.decode([tok.eos_id]))[0].strip()[:600]}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -953,24 +893,18 @@ def main(cfg: TrainConfig) -> int:
     return 0
 
 
+# What stops a run with one line naming the cause (exit 1): a failed save, bad data, a NaN, a busy run directory.
+STOPS = (ckpt.CheckpointError, ckpt.RunDirBusy, data.DataError, FloatingPointError, FileNotFoundError)
+
+
 def cli(argv: list[str]) -> int:
-    """main() from the command line: bad usage exits 2 and a run stopped by what it found (a failed save,
-    a NaN, bad data, a busy run directory) exits 1, each with one line naming the cause; anything else is a
-    bug and keeps its traceback."""
+    """main() from the command line: bad usage exits 2 and a run stopped by what it found exits 1, each with
+    one line naming the cause; anything else is a bug and keeps its traceback."""
     try:
         return main(parse_args(argv))
-    except FlagError as e:
+    except (FlagError, *STOPS) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (
-        ckpt.CheckpointError,
-        ckpt.RunDirBusy,
-        data.DataError,
-        FloatingPointError,
-        FileNotFoundError,
-    ) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, FlagError) else 1
 
 
 if __name__ == "__main__":
