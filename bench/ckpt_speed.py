@@ -24,6 +24,7 @@ import jax  # noqa: E402
 
 import ckpt  # noqa: E402
 import olmo3  # noqa: E402
+import shard  # noqa: E402
 import train  # noqa: E402
 
 
@@ -71,4 +72,5 @@ def main():
 
 
 if __name__ == "__main__":
+    shard.quiet_libtpu()  # before the first device: libtpu without a TPU would fill the log
     main()

@@ -593,4 +593,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    shard.quiet_libtpu()  # the test extra installs libtpu; with no TPU here it would fill the log
     sys.exit(main())

@@ -33,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import olmo3  # noqa: E402
+import shard  # noqa: E402
 import train  # noqa: E402
 
 ROWS = []
@@ -426,6 +427,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--profile", default=None, help="write a profiler trace of the timed steps here")
     args = parser.parse_args()
+    shard.quiet_libtpu()  # before the first device: libtpu without a TPU would fill the log
     PROFILE_DIR = args.profile
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {time.strftime('%Y-%m-%d')}")
     if args.gpu:
