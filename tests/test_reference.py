@@ -1,8 +1,11 @@
 """bench/reference.py, run small: from OLMo-core's initial weights and on the batches of its own loader, our
 trainer follows OLMo-core's trainer step by step; and a difference on our side is caught at its first step."""
 
+import importlib.util
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +47,9 @@ def run_reference(out: Path, ours: list[str] = (), **sizes):
 
 @pytest.mark.slow
 def test_training_follows_olmo_core_step_by_step(tmp_path):
-    """With the long comparison's parts too, at CI size: OLMo-core against itself from weights one ulp apart
-    (its noise), and our trained weights through transformers (the checker)."""
-    proc, result = run_reference(tmp_path, noise="", check_weights="")
+    """With the long comparison's parts too, at CI size: each trainer again from weights one ulp up and one
+    down (their noise), and our trained weights through transformers (the checker)."""
+    proc, result = run_reference(tmp_path, noise=2, check_weights="")
     assert proc.returncode == 0, proc.stdout[-4000:]
     steps = result["steps"]
     assert [r["step"] for r in steps] == list(range(1, SMALL["steps"] + 1))
@@ -64,11 +67,13 @@ def test_training_follows_olmo_core_step_by_step(tmp_path):
         assert fp32["cand_loss"] == pytest.approx(fp32["ref_loss"], rel=1e-5)
         assert bf16["max_token_loss_diff"] > fp32["max_token_loss_diff"]  # bf16 compute really ran
     assert not result["failures"] and (tmp_path / "reference_loss.png").stat().st_size > 0
-    for noise, e in zip(result["noise"], result["held_out"]):  # the reference run again, weights nudged
-        assert noise["length"] == e["length"] and len(noise["runs"]) == 2
-        for run in noise["runs"]:
+    for noise, e in zip(result["noise"], result["held_out"]):  # each trainer again, weights nudged
+        assert noise["length"] == e["length"] and len(noise["olmo_core"]) == len(noise["ours"]) == 2
+        for run in noise["olmo_core"] + noise["ours"]:
             assert run["ref_loss"] == pytest.approx(e["fp32"]["ref_loss"], rel=1e-12)  # the same reference
             assert 0 < abs(run["ref_loss"] - run["cand_loss"]) < 1e-3
+        ours_nudged = [r["cand_loss"] for r in noise["ours"]]
+        assert len({e["fp32"]["cand_loss"], *ours_nudged}) == 3  # the nudge reached our weights
     for check in result["same_weights"]:  # our weights, our model against transformers' Olmo3
         fp32, bf16 = check["fp32"], check["bf16"]
         assert fp32["top1"] >= 0.999 and fp32["max_token_loss_diff"] <= 1e-4 and fp32["mean_kl"] < 1e-8
@@ -83,3 +88,22 @@ def test_a_difference_on_our_side_fails_at_the_first_step(tmp_path):
     [first] = result["steps"]
     assert first["hash_equal"] and first["lr_equal"] and "loss" in first["failed"]
     assert result["failures"][0].startswith("step 1: loss") and "FAILED: step 1: loss" in proc.stdout
+
+
+def test_the_trainers_are_compared_by_their_mean_held_out_loss_against_their_own_spread():
+    spec = importlib.util.spec_from_file_location("reference", ROOT / "bench" / "reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    theirs, ours = [5.20, 5.23, 5.21], [5.19, 5.22]
+    e = {"fp32": {"ref_loss": theirs[0], "cand_loss": ours[0]}}
+    noise = {
+        "olmo_core": [{"cand_loss": x} for x in theirs[1:]],
+        "ours": [{"cand_loss": x} for x in ours[1:]],
+    }
+    apart = reference.runs_apart(e, noise)
+    assert apart["olmo_core"] == theirs and apart["ours"] == ours
+    assert apart["diff"] == pytest.approx(statistics.mean(ours) - statistics.mean(theirs))
+    se = math.sqrt(statistics.variance(theirs) / 3 + statistics.variance(ours) / 2)  # Welch's
+    assert apart["se"] == pytest.approx(se) and apart["sd_ours"] == pytest.approx(statistics.stdev(ours))
+    alone = reference.runs_apart(e, None)  # one run a side: the difference, no spread to read it against
+    assert alone["diff"] == pytest.approx(ours[0] - theirs[0]) and alone["se"] == 0
