@@ -328,13 +328,8 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
     mu = jax.tree.map(lambda m, g: cfg.beta1 * m + (1 - cfg.beta1) * g, opt.mu, grads)
     nu = jax.tree.map(lambda v, g: cfg.beta2 * v + (1 - cfg.beta2) * g * g, opt.nu, grads)
     decay = eqx.tree_at(lambda p: p.embed_tokens, jax.tree.map(lambda _: cfg.weight_decay, params), 0.0)
-    new = jax.tree.map(
-        lambda p, m, v, wd: p * (1 - lr * wd) - step_size * m / (jnp.sqrt(v) / bias2 + cfg.eps),
-        params,
-        mu,
-        nu,
-        decay,
-    )
+    adamw = lambda p, m, v, wd: p * (1 - lr * wd) - step_size * m / (jnp.sqrt(v) / bias2 + cfg.eps)
+    new = jax.tree.map(adamw, params, mu, nu, decay)
 
     # A skipped step keeps the old values exactly (a select, not a multiply by 0, so a NaN cannot leak in).
     keep = lambda old, upd: jax.tree.map(lambda o, u: jnp.where(skip, o, u), old, upd)

@@ -20,7 +20,7 @@ runs have parted the trained models are judged instead. At the end, with `ckpt.c
 the training context and at a long one: OLMo-core's trained model against ours in fp32 and in bf16 (loss,
 top-1 agreement, distinct predictions, KL, each token's loss); --noise 1 or 2: each trainer again from
 initial weights one ulp up (and one down), each trainer's own spread, against which the difference of the
-two trainers' mean held-out losses is read (within 2 standard errors, and within 0.01 nats);
+two trainers' mean held-out losses is read (Welch's t-test at 5%, and within 0.01 nats);
 --check_weights: our trained weights through transformers' Olmo3 against our model in fp32 and bf16. Exit 1
 if a figure leaves its tolerance. `--ours FIELD=VALUE` sets a TrainConfig field on our side only: a
 deliberate mismatch, which the test uses to check that one is caught.
@@ -46,6 +46,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.stats
 import torch
 from olmo_core.data import InstanceFilterConfig, NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
@@ -349,13 +350,19 @@ def noise_floor(theirs, nudged_theirs: list, nudged_ours: list, files, length: i
 
 def runs_apart(e: dict, n: dict | None) -> dict:
     """The two trainers' held-out losses over their runs: means, standard deviations, the difference of the
-    means and its standard error (Welch's, from each trainer's own spread; 0 with one run each)."""
+    means, its standard error and Welch's t-test's p (each trainer's own spread; no test with one run each).
+    A small p says the trainers differ by more than their runs do."""
     theirs = [e["fp32"]["ref_loss"]] + [r["cand_loss"] for r in (n["olmo_core"] if n else [])]
     ours = [e["fp32"]["cand_loss"]] + [r["cand_loss"] for r in (n["ours"] if n else [])]
     sd = lambda xs: float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
     se = float(np.hypot(sd(theirs) / np.sqrt(len(theirs)), sd(ours) / np.sqrt(len(ours))))
     diff = float(np.mean(ours) - np.mean(theirs))
-    return dict(olmo_core=theirs, ours=ours, sd_olmo_core=sd(theirs), sd_ours=sd(ours), diff=diff, se=se)
+    p = (
+        float(scipy.stats.ttest_ind(ours, theirs, equal_var=False).pvalue)
+        if min(map(len, (ours, theirs))) > 1
+        else None
+    )
+    return dict(olmo_core=theirs, ours=ours, sd_olmo_core=sd(theirs), sd_ours=sd(ours), diff=diff, se=se, p=p)
 
 
 def same_weights(hf: Path, files, contexts: dict[int, int]) -> list[dict]:
@@ -427,13 +434,14 @@ def report(
                 f"OLMo-core {np.mean(apart['olmo_core']):.6f} (sd {apart['sd_olmo_core']:.1e}), ours "
                 f"{np.mean(apart['ours']):.6f} (sd {apart['sd_ours']:.1e}); ours - OLMo-core "
                 f"{apart['diff']:+.1e} nats, standard error {apart['se']:.1e}"
+                + (f", Welch's t-test p = {apart['p']:.2f}" if apart["p"] is not None else "")
             )
             if abs(apart["diff"]) > TOLERANCE["learned_loss_nats"]:
                 failures.append(f"held-out loss at {e['length']}: {apart['diff']:+.1e} nats")
-            if n and abs(apart["diff"]) > 2 * apart["se"]:
+            if apart["p"] is not None and apart["p"] < 0.05:
                 failures.append(
-                    f"held-out loss at {e['length']}: {apart['diff']:+.1e} nats, past 2 standard errors "
-                    f"of the runs' own spread ({apart['se']:.1e})"
+                    f"held-out loss at {e['length']}: {apart['diff']:+.1e} nats, beyond the runs' own spread "
+                    f"(Welch's p = {apart['p']:.3f})"
                 )
             continue
         if (loss_rel := rel(fp32["cand_loss"], fp32["ref_loss"])) > TOLERANCE["held_out_loss"]:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import scipy.stats
 
 ROOT = Path(__file__).resolve().parent.parent
 # The benchmark's code path at a size two busy CPU cores run in about 1.5 minutes: 6 steps of 2 x 64 tokens,
@@ -105,5 +106,9 @@ def test_the_trainers_are_compared_by_their_mean_held_out_loss_against_their_own
     assert apart["diff"] == pytest.approx(statistics.mean(ours) - statistics.mean(theirs))
     se = math.sqrt(statistics.variance(theirs) / 3 + statistics.variance(ours) / 2)  # Welch's
     assert apart["se"] == pytest.approx(se) and apart["sd_ours"] == pytest.approx(statistics.stdev(ours))
+    # Welch-Satterthwaite degrees of freedom; the two-sided p of t = diff / se under Student's t.
+    v1, v2 = statistics.variance(theirs) / 3, statistics.variance(ours) / 2
+    df = (v1 + v2) ** 2 / (v1**2 / 2 + v2**2 / 1)
+    assert apart["p"] == pytest.approx(2 * scipy.stats.t.sf(abs(apart["diff"]) / se, df))
     alone = reference.runs_apart(e, None)  # one run a side: the difference, no spread to read it against
-    assert alone["diff"] == pytest.approx(ours[0] - theirs[0]) and alone["se"] == 0
+    assert alone["diff"] == pytest.approx(ours[0] - theirs[0]) and alone["se"] == 0 and alone["p"] is None
