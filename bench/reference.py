@@ -3,7 +3,7 @@
     python bench/reference.py --steps 50    # ~8 min on 2 idle CPU cores; table, loss plot, JSON in --out
     python bench/reference.py --tokenizer tiny --steps 600 --batch 16 --lr 2e-3 --warmup 60 --lr_final 0 \
         --skip_window 128 --horizon 40 --eval_tokens 32768 --noise 2 --check_weights \
-        --out runs/learned    # a model that learns, 3 runs a side: ~45 min, the table in bench/RESULTS.md
+        --out runs/learned    # a model that learns, 3 runs a side: 42 min (--noise 1: ~29); bench/RESULTS.md
     python bench/reference.py --steps 6 --batch 2 --seq_len 64 --window 16 --warmup 2 --skip_window 4 \
         --eval_tokens 512 --eval_len 256 --noise 2 --check_weights   # the size tests/test_reference.py runs
 
