@@ -180,6 +180,11 @@ def value_of(cfg: TrainConfig, name: str):
     return getattr(cfg.compute if name in olmo3.Compute.__dataclass_fields__ else cfg, name)
 
 
+# How a flag's text reads as a boolean, and how `check` compares a value with a bound.
+BOOLS = {"true": True, "1": True, "false": False, "0": False}
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+
+
 def parse_args(argv: list[str]) -> TrainConfig:
     """`--preset NAME` picks the base; every other flag then sets one field: `--name value`, `--name=value`,
     or a bare `--name` for a boolean's true. Checked by `check` before use."""
@@ -217,10 +222,6 @@ def parse_args(argv: list[str]) -> TrainConfig:
                 str(e) if str(e).startswith("--") else f"--{name} {value!r}: expected {expected}"
             ) from None
     return cfg
-
-
-BOOLS = {"true": True, "1": True, "false": False, "0": False}
-COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 def check(cfg: TrainConfig) -> None:

@@ -428,7 +428,7 @@ def report(
                     comparison(f"  noise, OLMo-core vs {who.replace('_', '-')} from weights one ulp away", r)
                 )
         if learned:  # trained models: each trainer's mean held-out loss over its runs
-            apart = e["runs_apart"] = runs_apart(e, n)
+            apart = e["runs_apart"]
             print(
                 f"held-out loss at {e['length']} over {len(apart['olmo_core'])} + {len(apart['ours'])} runs: "
                 f"OLMo-core {np.mean(apart['olmo_core']):.6f} (sd {apart['sd_olmo_core']:.1e}), ours "
@@ -610,6 +610,8 @@ def main(argv=None) -> int:
         nudged_ours = [our_run(args, files, out, nudge=d)[0] for d in nudges]
         noise = [noise_floor(theirs, nudged_theirs, nudged_ours, files, n, k) for n, k in contexts.items()]
         lap("noise")
+    for e, n in itertools.zip_longest(evals, noise):  # each trainer's mean over its runs, and the gap
+        e["runs_apart"] = runs_apart(e, n)
     checks = []
     if args.check_weights:
         shutil.rmtree(out / "ours-hf", ignore_errors=True)
