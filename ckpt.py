@@ -724,13 +724,28 @@ class Checkpoints:
         """A save failed: remove its temporary folder (the committed checkpoints stay as they were), and
         raise one line naming it."""
         step, self.saving = self.saving, None
-        if jax.process_index() == 0:
-            for tmp in self.dir.glob(f"{step}.orbax-checkpoint-tmp*"):
-                shutil.rmtree(tmp, ignore_errors=True)
         self._log(f"saving checkpoint {step} failed", e)
+        if jax.process_index() == 0:
+            self._remove_unfinished(step)
         raise CheckpointError(
             f"saving checkpoint {step} to {self.dir / str(step)} failed: {_cause(e)}"
         ) from e
+
+    def _remove_unfinished(self, step: int, quiet_s: float = 1.0, give_up_s: float = 30.0) -> None:
+        """Remove a failed save's temporary folder. Orbax reports the first item that fails (say the model)
+        while another (the optimizer state) may still be writing in its own thread, and its writer makes the
+        folders it needs again: so remove until the folder has stayed gone for `quiet_s`."""
+        start = gone_since = time.monotonic()
+        while time.monotonic() - gone_since < quiet_s:
+            left = list(self.dir.glob(f"{step}.orbax-checkpoint-tmp*"))
+            for tmp in left:
+                shutil.rmtree(tmp, ignore_errors=True)  # a writer may add files while it goes; look again
+            if left:
+                gone_since = time.monotonic()
+            if left and time.monotonic() - start > give_up_s:
+                self._log(f"could not remove {left} (the next start removes it)", OSError(str(left)))
+                return
+            time.sleep(0.05)
 
     def close(self, failing: bool = False) -> None:
         """Finish the background save and let go of the directory. `failing`: the run is already stopping
