@@ -2,10 +2,10 @@
 
     python bench/reference.py --steps 50    # ~8 min on 2 idle CPU cores; table, loss plot, JSON in --out
     python bench/reference.py --tokenizer tiny --steps 600 --batch 16 --lr 2e-3 --warmup 60 --lr_final 0 \
-        --skip_window 128 --horizon 40 --eval_tokens 32768 --noise 2 --check_weights \
-        --out runs/learned    # a model that learns, 3 runs a side: 42 min (--noise 1: ~29); bench/RESULTS.md
+        --skip_window 128 --horizon 40 --eval_tokens 32768 --noise 4 --check_weights \
+        --out runs/learned    # a model that learns, 5 runs a side: 68 min (--noise 1: 28); bench/RESULTS.md
     python bench/reference.py --steps 6 --batch 2 --seq_len 64 --window 16 --warmup 2 --skip_window 4 \
-        --eval_tokens 512 --eval_len 256 --noise 2 --check_weights   # the size tests/test_reference.py runs
+        --eval_tokens 512 --eval_len 256 --noise 3 --check_weights   # the size tests/test_reference.py runs
 
 OLMo-core (ai2-olmo-core, PyTorch, fp32 on the CPU) trains `TransformerConfig.olmo3_14M` at dolma2's
 vocabulary (or the tiny preset's, --tokenizer tiny) through its own Trainer: NumpyFSLDataLoader over the
@@ -16,11 +16,13 @@ its own HF exporter and ckpt.load_hf; we train with train.train_step on data.Tok
 
 Compared per step: the hash of the batch each side trained on, LR, loss (CE + z-loss), grad norm and skip,
 judged through --horizon (all steps by default): rounding differences grow with training, and once the two
-runs have parted the trained models are judged instead. At the end, with `ckpt.compare` on held-out text at
-the training context and at a long one: OLMo-core's trained model against ours in fp32 and in bf16 (loss,
-top-1 agreement, distinct predictions, KL, each token's loss); --noise 1 or 2: each trainer again from
-initial weights one ulp up (and one down), each trainer's own spread, against which the difference of the
-two trainers' mean held-out losses is read (Welch's t-test at 5%, and within 0.01 nats);
+runs have parted (as each trainer parts from itself started one ulp away: `parted`) the trained models are
+judged instead. At the end, with `ckpt.compare` on held-out text (`held_out_sets`: training instances no run
+reached, and the held-out plays at the training context and at a long one): OLMo-core's trained model
+against ours in fp32 and in bf16 (loss, top-1 agreement, distinct predictions, KL, each token's loss);
+--noise N: each trainer N more times from initial weights a few ulps away (NUDGES), each trainer's own
+spread, against which the difference of the two trainers' mean held-out losses is read (Welch's t-test at
+5%; on the unseen training instances also within 0.01 nats);
 --check_weights: our trained weights through transformers' Olmo3 against our model in fp32 and bf16. Exit 1
 if a figure leaves its tolerance. `--ours FIELD=VALUE` sets a TrainConfig field on our side only: a
 deliberate mismatch, which the test uses to check that one is caught.
@@ -31,6 +33,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -73,6 +76,7 @@ TOLERANCE = {
     "learned_loss_nats": 0.01,  # held-out loss of the two trained models (the public reproduction's bar)
 }
 PUBLIC_TOP1 = 0.9875  # the public JAX reproduction's top-1 agreement with AI2's model at 8192 tokens
+NUDGES = (1, -1, 2, -2, 3, -3)  # --noise N: each trainer's extra runs start this many ulps away, in turn
 
 
 def write_corpus(folder: Path, tok: data.Tokenizer, repeats_in: int = 0) -> dict[str, list[str]]:
@@ -141,7 +145,7 @@ def progress(side: str, step: int, steps: int, loss: float):
 
 def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
     """OLMo-core's stage-1 recipe (OLMo-3-1025-7B-pretrain-1.py, scaled down): its trained model and records.
-    `nudge` +1 or -1: every initial weight moved one ulp up or down, a draw of the reference's own noise."""
+    `nudge` ±k: every initial weight moved k ulps up or down, a draw of the reference's own noise."""
     tokenizer = (
         TokenizerConfig.dolma2()
         if tok.name == "dolma2"  # the tiny BPE has no padding id: OLMo-core then pads with EOS, as for GPT-2
@@ -181,7 +185,8 @@ def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
     if nudge:
         with torch.no_grad():
             for p in module.model.parameters():
-                p.copy_(torch.nextafter(p, torch.full_like(p, nudge * float("inf"))))
+                for _ in range(abs(nudge)):
+                    p.copy_(torch.nextafter(p, torch.full_like(p, math.copysign(math.inf, nudge))))
         out = out / f"nudged{nudge:+d}"
     else:
         save_hf_model(out / "init-hf", module.model.state_dict(), module.model, save_overwrite=True)
@@ -222,13 +227,32 @@ def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
 
 
 def nudged(x, nudge: int):
-    """Every float of `x` one ulp up (nudge +1) or down (-1)."""
-    return jnp.nextafter(x, jnp.full_like(x, nudge * jnp.inf)) if eqx.is_inexact_array(x) else x
+    """Every float of `x` k ulps up (nudge +k) or down (-k)."""
+    if not eqx.is_inexact_array(x):
+        return x
+    for _ in range(abs(nudge)):
+        x = jnp.nextafter(x, jnp.full_like(x, math.copysign(math.inf, nudge)))
+    return x
+
+
+def training_order(files, out: Path, vocab: int, seq_len: int, batch: int, seed: int) -> data.TokenLoader:
+    """Our loader over the training files, in the order OLMo-core's loader also follows at the same sizes
+    and seed (the batch hashes show it): every run of ours, nudged or not, trains on it, and its batches
+    after the last step are the unseen instances the trained models are read on."""
+    return data.TokenLoader(
+        files["train"],
+        seq_len,
+        batch,
+        seed=seed,
+        dtype=data.dtype_for_vocab(vocab),
+        vocab_size=vocab,
+        work_dir=str(out / "ours-work"),
+    )
 
 
 def our_run(args, files, out: Path, nudge: int = 0):
     """train.py's step on data.py's batches from OLMo-core's initial weights: our trained model and records.
-    `nudge` +1 or -1: every initial weight one ulp up or down, a draw of our own noise."""
+    `nudge` ±k: every initial weight k ulps up or down, a draw of our own noise."""
     # The official recipe's defaults (betas, eps, weight decay, clipping, z-loss, skip sigma), where OLMo-core's
     # side spells them out: a wrong default here would show. Scaled down: the sizes and the schedule.
     cfg = dataclasses.replace(
@@ -251,15 +275,8 @@ def our_run(args, files, out: Path, nudge: int = 0):
         cfg = train.with_flag(cfg, name, train.flags()[name][0].type(value))
     model = ckpt.load_hf(out / "init-hf", compute=cfg.compute)  # the model computes as its compute says
     model = jax.tree.map(lambda x: nudged(x, nudge), model) if nudge else model
-    loader = data.TokenLoader(
-        files["train"],
-        cfg.seq_len,
-        cfg.global_batch,
-        seed=cfg.seed,
-        dtype=data.dtype_for_vocab(model.cfg.vocab_size),
-        vocab_size=model.cfg.vocab_size,
-        work_dir=str(out / "ours-work"),  # the same order with or without a nudge
-    )
+    # An --ours override of the sizes or seed changes our order alone: the batch hashes then differ.
+    loader = training_order(files, out, model.cfg.vocab_size, cfg.seq_len, cfg.global_batch, cfg.seed)
     opt = train.init_opt(model, cfg)
     rows = []
     for step in range(1, args.steps + 1):  # step s trains on batch s - 1, as OLMo-core's step s does
@@ -285,6 +302,13 @@ def our_run(args, files, out: Path, nudge: int = 0):
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else abs(a)  # an annealed schedule ends at lr 0
+
+
+def parting(a: list[dict], b: list[dict]) -> int | None:
+    """The first step at which two runs' losses differ by more than the per-step tolerance (None: never)."""
+    return next(
+        (s for s, (x, y) in enumerate(zip(a, b), 1) if rel(x["loss"], y["loss"]) > TOLERANCE["loss"]), None
+    )
 
 
 def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
@@ -326,25 +350,84 @@ def olmo_core_side(model):
     return model.vocab_size, logits
 
 
-def held_out(ours, theirs, files, length: int, n_tokens: int) -> dict:
-    """The two trained models on held-out sequences of `length`: OLMo-core's against ours in fp32 and in bf16."""
-    mesh, ref = shard.make_mesh("tensor=1"), olmo_core_side(theirs)
-    bf16 = ours.using(dataclasses.replace(ours.compute, dtype="bfloat16"))
-    return {"length": length} | {
-        name: ckpt.compare(ref, ckpt.model_side(model, mesh), files["val"], length, n_tokens)
-        for name, model in {"fp32": ours, "bf16": bf16}.items()
+def cached(side):
+    """`side` with each sequence's logits computed once: a reference is read against several candidates."""
+    vocab, logits, memo = *side, {}
+
+    def again(tokens: np.ndarray, chunk: int):
+        key = (tokens.tobytes(), chunk)
+        if key not in memo:
+            memo[key] = list(logits(tokens, chunk))
+        return iter(memo[key])
+
+    return vocab, again
+
+
+def held_out_sets(args, files, out: Path, vocab: int) -> list[dict]:
+    """The text the trained models are read on. At the training context: instances of the training data that
+    no run reached (the batches after the last step, in the order both loaders share: the distribution the
+    models learned, as a pretraining validation set is), and the held-out plays (other plays, other
+    characters: text the models must generalise to). At the long context: one held-out play's sequence.
+    `bar`: the two trained models' held-out losses must agree within 0.01 nats there, the public
+    reproduction's tolerance on its validation loss; elsewhere, within the trainers' own spread."""
+    loader = training_order(files, out, vocab, args.seq_len, args.batch, args.seed)
+    batches = range(args.steps, args.steps + math.ceil(args.eval_tokens / (args.batch * args.seq_len)))
+    if batches.stop > loader.num_batches:
+        raise SystemExit(
+            f"--steps {args.steps}: the training files hold {loader.num_batches} batches; the held-out "
+            f"instances need {len(batches)} more after the last step (fewer --steps or --eval_tokens)"
+        )
+    unseen = out / "unseen-instances" / "000.npy"
+    unseen.parent.mkdir(parents=True, exist_ok=True)
+    rows = np.concatenate([loader.global_batch(i) for i in batches])  # the loader gives uint32
+    rows.astype(data.dtype_for_vocab(vocab)).tofile(unseen)  # the dtype `ckpt.compare` reads these ids as
+    plays = dict(text="held-out plays", files=files["val"], bar=False)
+    return [
+        dict(
+            text="unseen instances",
+            files=[str(unseen)],
+            length=args.seq_len,
+            tokens=args.eval_tokens,
+            bar=True,
+        ),
+        plays | dict(length=args.seq_len, tokens=args.eval_tokens),
+        plays | dict(length=args.eval_len, tokens=args.eval_len),
+    ]
+
+
+def read_on(s: dict, ref, cand) -> dict:
+    return ckpt.compare(ref, cand, s["files"], s["length"], s["tokens"])
+
+
+# Trained models are read with the kernel train.py runs on a CPU: "local" computes the sliding layers in
+# window-sized blocks, the reference attention's maths (tests/test_model.py), 3.5x faster at 8192 tokens here,
+# where the reference materialises each layer's 8192 x 8192 scores (37 s a read, against transformers' 4 s).
+READ_KERNEL = "local"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def our_side(model, dtype: str = "float32"):
+    """Our model as one side of `ckpt.compare`, computing in `dtype` with READ_KERNEL."""
+    return ckpt.model_side(model.using(olmo3.Compute(dtype, READ_KERNEL)), shard.make_mesh("tensor=1"))
+
+
+def held_out(ours, reference, s: dict) -> dict:
+    """The two trained models on held-out set `s`: OLMo-core's (`reference`) against ours in fp32 and bf16."""
+    return {"text": s["text"], "length": s["length"], "bar": s["bar"]} | {
+        name: read_on(s, reference, our_side(ours, dtype)) for name, dtype in DTYPES.items()
     }
 
 
-def noise_floor(theirs, nudged_theirs: list, nudged_ours: list, files, length: int, n_tokens: int) -> dict:
-    """Each trainer again from initial weights one ulp away, each run's held-out figures against OLMo-core's
-    first run: the spread of each trainer's result, which a difference between the two is read against."""
-    ref, mesh = olmo_core_side(theirs), shard.make_mesh("tensor=1")
-    against = lambda sides: [ckpt.compare(ref, side, files["val"], length, n_tokens) for side in sides]
+def noise_floor(reference, nudges, nudged_theirs: list, nudged_ours: list, s: dict) -> dict:
+    """Each trainer again from initial weights `nudges` ulps away, each run's held-out figures against
+    OLMo-core's first run: the spread of each trainer's result, which a difference between the two is read
+    against."""
     return {
-        "length": length,
-        "olmo_core": against(olmo_core_side(m) for m in nudged_theirs),
-        "ours": against(ckpt.model_side(m, mesh) for m in nudged_ours),
+        "text": s["text"],
+        "length": s["length"],
+        "nudges": list(nudges),
+        "olmo_core": [read_on(s, reference, olmo_core_side(m)) for m in nudged_theirs],
+        "ours": [read_on(s, reference, our_side(m)) for m in nudged_ours],
     }
 
 
@@ -365,17 +448,15 @@ def runs_apart(e: dict, n: dict | None) -> dict:
     return dict(olmo_core=theirs, ours=ours, sd_olmo_core=sd(theirs), sd_ours=sd(ours), diff=diff, se=se, p=p)
 
 
-def same_weights(hf: Path, files, contexts: dict[int, int]) -> list[dict]:
+def same_weights(hf: Path, sets: list[dict]) -> list[dict]:
     """Our trained weights, exported to `hf`, through transformers (fp32, the reference) and through our model
-    in fp32 and in bf16, at each context: the checker, `ckpt.py compare`, on a model that has learned."""
-    ref, cands = (
-        ckpt.side(f"transformers:{hf}"),
-        {"fp32": ckpt.side(str(hf)), "bf16": ckpt.side(f"{hf}:bf16")},
-    )
+    in fp32 and in bf16, on each held-out set: the checker, `ckpt.py compare`, on a model that has learned."""
+    ref = cached(ckpt.side(f"transformers:{hf}"))
+    cands = {"fp32": ckpt.side(str(hf), READ_KERNEL), "bf16": ckpt.side(f"{hf}:bf16", READ_KERNEL)}
     return [
-        {"length": n}
-        | {name: ckpt.compare(ref, cand, files["val"], n, tokens) for name, cand in cands.items()}
-        for n, tokens in contexts.items()
+        {"text": s["text"], "length": s["length"]}
+        | {name: read_on(s, ref, cand) for name, cand in cands.items()}
+        for s in sets
     ]
 
 
@@ -389,11 +470,12 @@ def comparison(name: str, c: dict) -> str:
 
 
 def report(
-    table: list[dict], evals: list[dict], horizon: int, noise: list[dict], checks: list[dict]
+    table: list[dict], evals: list[dict], horizon: int, noise: list[dict], checks: list[dict], parted: dict
 ) -> list[str]:
     """Print the comparison; return what left its tolerance. Steps past `horizon` are shown, not judged:
     rounding differences grow through training (Adam divides by sqrt(v), spikes amplify), so two
-    trainers that agree to 1e-7 on every early step part ways later; then the held-out figures judge."""
+    trainers that agree to 1e-7 on every early step part ways later, as each does from itself started one ulp
+    away (`parted`); then the held-out figures judge."""
     print(
         f"{'step':>4} {'batch hash':>17} {'lr ours':>10} {'lr OC':>10} {'loss ours':>11} {'loss OC':>11} "
         f"{'rel':>8} {'|g| ours':>10} {'|g| OC':>10} {'rel':>8} {'skip':>5} {'filtered':>8}"
@@ -416,51 +498,51 @@ def report(
         f"(tolerance {TOLERANCE['grad_norm']:.0e}); first step out of tolerance: {first_out or 'none'}; "
         f"batches {'all' if all(r['hash_equal'] for r in table) else 'NOT all'} equal"
     )
+    print(
+        f"first step whose loss differs by more than {TOLERANCE['loss']:.0e}: "
+        + "; ".join(f"{pair} {step or 'none'}" for pair, step in parted.items())
+    )
     failures = [f"step {r['step']}: {', '.join(r['failed'])}" for r in judged if r["failed"]]
     learned = horizon < len(table)  # the two runs have parted: judge the trained models, not each step
     for e, n in itertools.zip_longest(evals, noise):
-        fp32 = e["fp32"]
-        print(comparison("held out, OLMo-core vs ours fp32", fp32))
-        print(comparison("held out, OLMo-core vs ours bf16", e["bf16"]))
+        fp32, where = e["fp32"], f"{e['text']} at {e['length']}"
+        print(comparison(f"{e['text']}, OLMo-core vs ours fp32", fp32))
+        print(comparison(f"{e['text']}, OLMo-core vs ours bf16", e["bf16"]))
         for who in ("olmo_core", "ours") if n else ():
-            for r in n[who]:
-                print(
-                    comparison(f"  noise, OLMo-core vs {who.replace('_', '-')} from weights one ulp away", r)
-                )
+            for d, r in zip(n["nudges"], n[who]):
+                print(comparison(f"  noise, OLMo-core vs {who.replace('_', '-')} from weights {d:+d} ulp", r))
         if learned:  # trained models: each trainer's mean held-out loss over its runs
             apart = e["runs_apart"]
             print(
-                f"held-out loss at {e['length']} over {len(apart['olmo_core'])} + {len(apart['ours'])} runs: "
+                f"held-out loss, {where} over {len(apart['olmo_core'])} + {len(apart['ours'])} runs: "
                 f"OLMo-core {np.mean(apart['olmo_core']):.6f} (sd {apart['sd_olmo_core']:.1e}), ours "
                 f"{np.mean(apart['ours']):.6f} (sd {apart['sd_ours']:.1e}); ours - OLMo-core "
                 f"{apart['diff']:+.1e} nats, standard error {apart['se']:.1e}"
                 + (f", Welch's t-test p = {apart['p']:.2f}" if apart["p"] is not None else "")
             )
-            if abs(apart["diff"]) > TOLERANCE["learned_loss_nats"]:
-                failures.append(f"held-out loss at {e['length']}: {apart['diff']:+.1e} nats")
+            if e["bar"] and abs(apart["diff"]) > TOLERANCE["learned_loss_nats"]:
+                failures.append(f"held-out loss, {where}: {apart['diff']:+.1e} nats")
             if apart["p"] is not None and apart["p"] < 0.05:
                 failures.append(
-                    f"held-out loss at {e['length']}: {apart['diff']:+.1e} nats, beyond the runs' own spread "
+                    f"held-out loss, {where}: {apart['diff']:+.1e} nats, beyond the runs' own spread "
                     f"(Welch's p = {apart['p']:.3f})"
                 )
             continue
         if (loss_rel := rel(fp32["cand_loss"], fp32["ref_loss"])) > TOLERANCE["held_out_loss"]:
-            failures.append(f"held-out loss at {e['length']}: rel {loss_rel:.1e}")
+            failures.append(f"held-out loss, {where}: rel {loss_rel:.1e}")
         if fp32["top1"] < TOLERANCE["top1_fp32"]:
-            failures.append(f"fp32 top-1 agreement at {e['length']}: {fp32['top1']:.4%}")
+            failures.append(f"fp32 top-1 agreement, {where}: {fp32['top1']:.4%}")
         if fp32["max_token_loss_diff"] > TOLERANCE["token_loss_fp32"]:
-            failures.append(
-                f"a held-out token's loss at {e['length']}: {fp32['max_token_loss_diff']:.1e} nats"
-            )
+            failures.append(f"a held-out token's loss, {where}: {fp32['max_token_loss_diff']:.1e} nats")
     for c in checks:
-        print(comparison("same weights, transformers vs ours fp32", c["fp32"]))
-        print(comparison("same weights, transformers vs ours bf16", c["bf16"]))
+        print(comparison(f"{c['text']}, same weights, transformers vs ours fp32", c["fp32"]))
+        print(comparison(f"{c['text']}, same weights, transformers vs ours bf16", c["bf16"]))
         if (
             c["fp32"]["top1"] < TOLERANCE["top1_fp32"]
             or c["fp32"]["max_token_loss_diff"] > TOLERANCE["token_loss_fp32"]
         ):
             failures.append(
-                f"same weights at {c['length']}: top-1 {c['fp32']['top1']:.4%}, "
+                f"same weights, {c['text']} at {c['length']}: top-1 {c['fp32']['top1']:.4%}, "
                 f"{c['fp32']['max_token_loss_diff']:.1e} nats"
             )
     # The public figure: bf16 against fp32, at the long context.
@@ -477,7 +559,7 @@ def report(
 
 def plot(table: list[dict], nudged_rows, path: Path):
     """Both runs' train loss, and per step their relative difference beside that of OLMo-core against itself
-    from weights one ulp apart (grey, when --noise ran): where ours parts from the reference, so does it."""
+    from weights a few ulps apart (grey, when --noise ran): where ours parts from the reference, so does it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -571,8 +653,9 @@ def main(argv=None) -> int:
         "--noise",
         type=int,
         default=0,
-        choices=(0, 1, 2),
-        help="train each side again from weights one ulp up (1), and one down (2): each trainer's own noise",
+        choices=range(len(NUDGES) + 1),
+        metavar="N",
+        help=f"train each side N more times, from initial weights nudged {NUDGES[:2]}... ulps: its own noise",
     )
     p.add_argument("--check_weights", action="store_true", help="also our weights through transformers")
     p.add_argument(
@@ -598,17 +681,20 @@ def main(argv=None) -> int:
     ours, our_rows = our_run(args, files, out)
     lap("ours")
     table = compare_steps(our_rows, their_rows)
-    # Held-out tokens per context: --eval_tokens at the training context, one sequence at the long one.
-    contexts = {n: args.eval_tokens if n == args.seq_len else n for n in (args.seq_len, args.eval_len)}
-    contexts = contexts if args.eval_tokens else {}
-    evals = [held_out(ours, theirs, files, n, tokens) for n, tokens in contexts.items()]
+    sets = held_out_sets(args, files, out, ours.cfg.vocab_size) if args.eval_tokens else []
+    reference = cached(olmo_core_side(theirs))  # OLMo-core's trained model, read against every candidate
+    evals = [held_out(ours, reference, s) for s in sets]
     lap("held_out")
-    noise, nudged_rows = [], []
-    if args.noise:  # each initial weight one ulp up (then down): draws of each trainer's own noise
-        nudges = (1, -1)[: args.noise]
+    noise, nudged_rows, nudged_our_rows = [], [], []
+    parted = {"ours vs OLMo-core": parting(our_rows, their_rows)}
+    if args.noise:  # each initial weight a few ulps away: draws of each trainer's own noise
+        nudges = NUDGES[: args.noise]
         nudged_theirs, nudged_rows = zip(*(olmo_core_run(args, files, out, tok, nudge=d) for d in nudges))
-        nudged_ours = [our_run(args, files, out, nudge=d)[0] for d in nudges]
-        noise = [noise_floor(theirs, nudged_theirs, nudged_ours, files, n, k) for n, k in contexts.items()]
+        nudged_ours, nudged_our_rows = zip(*(our_run(args, files, out, nudge=d) for d in nudges))
+        for d, t_rows, o_rows in zip(nudges, nudged_rows, nudged_our_rows):
+            parted[f"OLMo-core {d:+d} ulp vs OLMo-core"] = parting(t_rows, their_rows)
+            parted[f"ours {d:+d} ulp vs ours"] = parting(o_rows, our_rows)
+        noise = [noise_floor(reference, nudges, nudged_theirs, nudged_ours, s) for s in sets]
         lap("noise")
     for e, n in itertools.zip_longest(evals, noise):  # each trainer's mean over its runs, and the gap
         e["runs_apart"] = runs_apart(e, n)
@@ -616,10 +702,10 @@ def main(argv=None) -> int:
     if args.check_weights:
         shutil.rmtree(out / "ours-hf", ignore_errors=True)
         ckpt.save_hf(ours, out / "ours-hf")
-        checks = same_weights(out / "ours-hf", files, contexts)
+        checks = same_weights(out / "ours-hf", sets)
         lap("same_weights")
 
-    failures = report(table, evals, args.horizon or args.steps, noise, checks)
+    failures = report(table, evals, args.horizon or args.steps, noise, checks, parted)
     plot(table, nudged_rows, out / "reference_loss.png")
     versions = {k: metadata.version(k) for k in ("jax", "equinox", "torch", "ai2-olmo-core")}
     result = {
@@ -628,6 +714,8 @@ def main(argv=None) -> int:
         "steps": table,
         "held_out": evals,
         "noise": noise,
+        "parted": parted,
+        "noise_steps": {"olmo_core": nudged_rows, "ours": nudged_our_rows},
         "same_weights": checks,
         "failures": failures,
         "seconds": seconds,

@@ -10,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import scipy.stats
+
+import data
 
 ROOT = Path(__file__).resolve().parent.parent
 # The benchmark's code path at a size two busy CPU cores run in about 1.5 minutes: 6 steps of 2 x 64 tokens,
@@ -48,9 +51,9 @@ def run_reference(out: Path, ours: list[str] = (), **sizes):
 
 @pytest.mark.slow
 def test_training_follows_olmo_core_step_by_step(tmp_path):
-    """With the long comparison's parts too, at CI size: each trainer again from weights one ulp up and one
-    down (their noise), and our trained weights through transformers (the checker)."""
-    proc, result = run_reference(tmp_path, noise=2, check_weights="")
+    """With the long comparison's parts too, at CI size: each trainer again from weights one ulp up, one
+    down and two up (their noise), and our trained weights through transformers (the checker)."""
+    proc, result = run_reference(tmp_path, noise=3, check_weights="")
     assert proc.returncode == 0, proc.stdout[-4000:]
     steps = result["steps"]
     assert [r["step"] for r in steps] == list(range(1, SMALL["steps"] + 1))
@@ -61,20 +64,34 @@ def test_training_follows_olmo_core_step_by_step(tmp_path):
     lrs = [r["ours"]["lr"] for r in steps]
     assert lrs[0] < lrs[1] and lrs[-1] < lrs[1]
     assert steps[-1]["ours"]["loss"] < steps[0]["ours"]["loss"] - 0.1
-    assert [e["length"] for e in result["held_out"]] == [SMALL["seq_len"], SMALL["eval_len"]]
+    texts = [(e["text"], e["length"]) for e in result["held_out"]]
+    n, length = SMALL["seq_len"], SMALL["eval_len"]
+    assert texts == [("unseen instances", n), ("held-out plays", n), ("held-out plays", length)]
+    # The unseen instances are training text (each lies in a training file) from batches no step trained on.
+    unseen = np.fromfile(tmp_path / "unseen-instances" / "000.npy", np.uint32)  # dolma2's ids
+    unseen = unseen.reshape(-1, SMALL["batch"], n)
+    corpus = tmp_path / "dolma2"
+    train = [f.read_bytes() for f in sorted((corpus / "train").glob("*.npy"))]
+    assert all(any(row.tobytes() in f for f in train) for row in unseen.reshape(-1, n))
+    assert not {data.batch_hash(b) for b in unseen} & {r["ours"]["hash"] for r in steps}
+    assert len(unseen) * SMALL["batch"] * n == SMALL["eval_tokens"]
     for e in result["held_out"]:  # OLMo-core's trained model against ours
         fp32, bf16 = e["fp32"], e["bf16"]
         assert fp32["top1"] >= 0.999 and fp32["max_token_loss_diff"] <= 1e-3
         assert fp32["cand_loss"] == pytest.approx(fp32["ref_loss"], rel=1e-5)
         assert bf16["max_token_loss_diff"] > fp32["max_token_loss_diff"]  # bf16 compute really ran
     assert not result["failures"] and (tmp_path / "reference_loss.png").stat().st_size > 0
-    for noise, e in zip(result["noise"], result["held_out"]):  # each trainer again, weights nudged
-        assert noise["length"] == e["length"] and len(noise["olmo_core"]) == len(noise["ours"]) == 2
+    for noise, e in zip(result["noise"], result["held_out"], strict=True):  # each trainer again, nudged
+        assert (noise["text"], noise["length"]) == (e["text"], e["length"])
+        assert noise["nudges"] == [1, -1, 2] and len(noise["olmo_core"]) == len(noise["ours"]) == 3
         for run in noise["olmo_core"] + noise["ours"]:
             assert run["ref_loss"] == pytest.approx(e["fp32"]["ref_loss"], rel=1e-12)  # the same reference
             assert 0 < abs(run["ref_loss"] - run["cand_loss"]) < 1e-3
         ours_nudged = [r["cand_loss"] for r in noise["ours"]]
-        assert len({e["fp32"]["cand_loss"], *ours_nudged}) == 3  # the nudge reached our weights
+        assert len({e["fp32"]["cand_loss"], *ours_nudged}) == 4  # each nudge reached our weights
+    # Within 6 steps no run parts from another by more than the per-step tolerance, nudged or not.
+    assert len(result["parted"]) == 7 and all(step is None for step in result["parted"].values())
+    assert [len(rows) for who in ("olmo_core", "ours") for rows in result["noise_steps"][who]] == [6] * 6
     for check in result["same_weights"]:  # our weights, our model against transformers' Olmo3
         fp32, bf16 = check["fp32"], check["bf16"]
         assert fp32["top1"] >= 0.999 and fp32["max_token_loss_diff"] <= 1e-4 and fp32["mean_kl"] < 1e-8
