@@ -76,6 +76,7 @@ TOLERANCE = {
     "learned_loss_nats": 0.01,  # held-out loss of the two trained models (the public reproduction's bar)
 }
 PUBLIC_TOP1 = 0.9875  # the public JAX reproduction's top-1 agreement with AI2's model at 8192 tokens
+LEARNED_DISTINCT = 100  # distinct top-1 predictions on held-out text: a model that has learned
 NUDGES = (1, -1, 2, -2, 3, -3)  # --noise N: each trainer's extra runs start this many ulps away, in turn
 
 
@@ -530,9 +531,10 @@ def report(
             continue
         if (loss_rel := rel(fp32["cand_loss"], fp32["ref_loss"])) > TOLERANCE["held_out_loss"]:
             failures.append(f"held-out loss, {where}: rel {loss_rel:.1e}")
-        if fp32["top1"] < TOLERANCE["top1_fp32"]:
-            failures.append(f"fp32 top-1 agreement, {where}: {fp32['top1']:.4%}")
-        if fp32["max_token_loss_diff"] > TOLERANCE["token_loss_fp32"]:
+        top1, token_loss = bars_within_noise(n)
+        if fp32["top1"] < top1:
+            failures.append(f"fp32 top-1 agreement, {where}: {fp32['top1']:.4%} (bar {top1:.4%})")
+        if fp32["max_token_loss_diff"] > token_loss:
             failures.append(f"a held-out token's loss, {where}: {fp32['max_token_loss_diff']:.1e} nats")
     for c in checks:
         print(comparison(f"{c['text']}, same weights, transformers vs ours fp32", c["fp32"]))
@@ -545,8 +547,10 @@ def report(
                 f"same weights, {c['text']} at {c['length']}: top-1 {c['fp32']['top1']:.4%}, "
                 f"{c['fp32']['max_token_loss_diff']:.1e} nats"
             )
-    # The public figure: bf16 against fp32, at the long context.
-    if checks and checks[-1]["bf16"]["top1"] < PUBLIC_TOP1:
+    # The public figure: bf16 against fp32, at the long context, on a model that has learned (one that predicts
+    # a handful of tokens has near-ties everywhere, and bf16 rounding tips them).
+    learned_model = checks and checks[-1]["fp32"]["distinct_top1"] >= LEARNED_DISTINCT
+    if learned_model and checks[-1]["bf16"]["top1"] < PUBLIC_TOP1:
         failures.append(
             f"same weights, bf16 top-1 at {checks[-1]['length']}: {checks[-1]['bf16']['top1']:.4%}"
         )
@@ -555,6 +559,16 @@ def report(
             f"(the public JAX reproduction: top-1 {PUBLIC_TOP1:.2%} at 8192 tokens, its bf16 against PyTorch)"
         )
     return failures
+
+
+def bars_within_noise(noise: dict | None) -> tuple[float, float]:
+    """The bars for two trainings that have not parted: fp32 top-1 agreement and any one token's loss
+    difference, each the fixed tolerance or, if OLMo-core from weights one ulp away agrees with itself less
+    closely, that. On a model that has learned little, a few predictions are near-ties, and which way one
+    falls turns on the last bit, in OLMo-core's own runs as in ours (and differs between CPUs)."""
+    own = noise["olmo_core"] if noise else []
+    top1 = min([TOLERANCE["top1_fp32"], *(r["top1"] for r in own)])
+    return top1, max([TOLERANCE["token_loss_fp32"], *(r["max_token_loss_diff"] for r in own)])
 
 
 def plot(table: list[dict], nudged_rows, path: Path):
