@@ -508,6 +508,16 @@ def _start_time(pid: int) -> str | None:
             return None
 
 
+def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: str | None) -> None:
+    """A run was accepted: its config is the run directory's now, and so is the tiny tokenizer, if the run
+    has one (token files made elsewhere may come without it), which `ckpt.py to-hf` ships with the weights."""
+    if jax.process_index() == 0:
+        data.write_atomic(Path(run_dir) / "config.json", json.dumps(config, indent=2))
+        tiny = data.tiny_tokenizer_file(tokenizer_path)
+        if tokenizer == "tiny" and os.path.exists(tiny):
+            data.write_atomic(Path(run_dir) / "tokenizer.json", Path(tiny).read_text())
+
+
 class MetricsLog:
     """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (eval rows carry eval_loss), as
     of the checkpoint the run continues from; optionally TensorBoard too. Only process 0 writes."""
@@ -844,14 +854,22 @@ class Checkpoints:
         self._open()  # the manager caches its list of steps
 
 
-def differences(meta: dict, expected: dict, recipe_fields) -> tuple[dict, list[str]]:
-    """How a checkpoint's metadata differs from what a run expects: the model shape's fields, as
-    {name: (saved, now)}, and the recipe's changes (its `recipe_fields` of the config, the compute dtype, the
-    data's fingerprint), as lines. Weights from `ckpt.py from-hf` carry no config: any recipe may start there."""
+class ResumeRefused(ValueError):
+    """The run directory holds checkpoints of another model, data order or recipe."""
+
+
+def check_resume(meta: dict, expected: dict, recipe_fields, allow_change: bool, run_dir: str) -> None:
+    """Refuse a checkpoint whose metadata differs from what the run expects, naming what changed: the model
+    shape always; the recipe's `recipe_fields` of the config, the compute dtype and the data's fingerprint
+    unless `allow_change`. Weights from `ckpt.py from-hf` carry no config: any recipe may start there."""
     saved, now = meta.get("model", {}), expected["model"]
     shape = {k: (saved.get(k), now.get(k)) for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)}
-    if "config" not in meta:
-        return shape, []
+    if shape:
+        raise ResumeRefused(
+            f"--run_dir {run_dir} holds another model shape ({shape}, as (saved, now)); use another --run_dir"
+        )
+    if "config" not in meta or allow_change:
+        return
     saved, now = meta["config"], expected["config"]
     changes = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in recipe_fields if saved.get(k) != now[k]]
     # Of the compute policy only the dtype changes the numbers (kernels and remat change rounding at most).
@@ -861,7 +879,11 @@ def differences(meta: dict, expected: dict, recipe_fields) -> tuple[dict, list[s
         data.check_fingerprint(meta["data"], expected["data"])
     except ValueError as e:
         changes.append(str(e))
-    return shape, changes
+    if changes:
+        raise ResumeRefused(
+            f"--run_dir {run_dir} was trained with another recipe: {'; '.join(changes)}. Pass "
+            "--allow_config_change to resume anyway (e.g. to extend --steps), or use a new --run_dir"
+        )
 
 
 def _abstract(x):

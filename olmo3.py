@@ -21,6 +21,7 @@ Einsum letters (attention): s/t query/key position, k kv_heads, g query heads pe
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import equinox as eqx
@@ -581,6 +582,81 @@ def is_array(x) -> bool:
 def count_params(model: Olmo3) -> int:
     """Number of parameters; works on an abstract model from eqx.filter_eval_shape too."""
     return sum(math.prod(w.shape) for w in jax.tree.leaves(model) if is_array(w))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The LM head a chunk of positions at a time, for a loss that never holds a batch's logits whole: in fp32 they
+# are 8192 x 100352 x 4 bytes = 3.3 GB per instance on the 7B. Each chunk's logits are made, reduced by the
+# loss (`sums`) and differentiated by autodiff of `sums` alone in one pass, so they are read once.
+
+Sums = Callable[
+    [Float[Array, "batch chunk vocab"], Int[Array, "batch chunk"], Bool[Array, "batch chunk"]], tuple
+]
+
+
+def lm_head_sums(
+    x: Float[Array, "batch seq embed"],
+    w: Float[Array, "embed vocab"],
+    sums: Sums,
+    targets: Int[Array, "batch seq"],
+    mask: Bool[Array, "batch seq"],
+    chunk: int,
+    weights: tuple | None = None,
+):
+    """`sums(logits, targets, mask)`, a tuple of scalars, added up over `chunk` positions of every instance at
+    a time (0: the whole sequence); given `weights`, one per sum, also the gradients of the weighted total
+    with respect to x and w (else None, None)."""
+    batch, seq, d = x.shape
+    chunk = chunk or seq
+    by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
+
+    def one(dw_DxV, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
+        x_BxCxD, t_BxC, m_BxC = inputs
+        logits_BxCxV = linear(x_BxCxD, w, out_dtype=jnp.float32)
+        sums_C, vjp = jax.vjp(lambda logits: sums(logits, t_BxC, m_BxC), logits_BxCxV)
+        if weights is None:
+            return dw_DxV, (sums_C, None)
+        # The weights (the loss's scale) enter before the matmuls, as autodiff through the whole model orders it.
+        g_BxCxV = vjp(weights)[0].astype(x.dtype)
+        dx_BxCxD = linear(g_BxCxV, w.T)
+        dw_DxV += jnp.matmul(
+            x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]), preferred_element_type=jnp.float32
+        )
+        return dw_DxV, (sums_C, dx_BxCxD)
+
+    inputs = (by_chunk(x), by_chunk(targets), by_chunk(mask))
+    dw, (per_chunk, dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), inputs)
+    totals = tuple(s.sum() for s in per_chunk)
+    if weights is None:
+        return totals, None, None
+    return totals, jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 6))
+def fused_lm_head(x, w, sums: Sums, targets, mask, weights: tuple, chunk: int):
+    """(the weighted total of `sums` over the batch, the sums), as lm_head_sums. The total's gradient with
+    respect to x and w is made in the forward pass, so the backward keeps no logits; the sums carry none."""
+    totals, _, _ = lm_head_sums(x, w, sums, targets, mask, chunk)
+    return _weighted(weights, totals), totals
+
+
+def _weighted(weights, totals):
+    return functools.reduce(jnp.add, (wt * t for wt, t in zip(weights, totals, strict=True)))
+
+
+def _fused_fwd(x, w, sums, targets, mask, weights, chunk):
+    totals, dx, dw = lm_head_sums(x, w, sums, targets, mask, chunk, weights)
+    return (_weighted(weights, totals), totals), (dx, dw, weights)
+
+
+def _fused_bwd(sums, chunk, saved, cotangents):
+    dx, dw, weights = saved
+    g = cotangents[0]  # the total is linear in the sums: its gradients are the forward's times g
+    zeros = jax.tree.map(jnp.zeros_like, weights)
+    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None, zeros
+
+
+fused_lm_head.defvjp(_fused_fwd, _fused_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py
 
 import dataclasses
 import difflib
-import functools
 import importlib.util
 import inspect
 import json
@@ -341,11 +340,11 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 # ---------------------------------------------------------------------------------------------------------
 # The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted,
 # plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions (OLMo-core).
-# `loss_sums` defines it; two paths compute it with the LM head, the same maths:
-# - reference: logits for the whole batch, differentiated by autodiff. Change the loss here first.
-# - fused (the default): a chunk of positions at a time, each chunk's logits, loss and (by autodiff of
-#   `loss_sums` alone) the gradient with respect to its logits in one pass, so the fp32 logits (8192 x 100352
-#   x 4 bytes = 3.3 GB per instance on the 7B) exist one chunk at a time and are read once.
+# `loss_sums` defines it, in one place; two paths compute it with the LM head, the same maths:
+# - reference: logits for the whole batch, differentiated by autodiff.
+# - fused (the default): olmo3.fused_lm_head, a chunk of positions at a time, each chunk's logits reduced by
+#   `loss_sums` and differentiated by autodiff of `loss_sums` alone, in one pass: the fp32 logits (3.3 GB per
+#   instance on the 7B) exist one chunk at a time. A change to `loss_sums` changes both; test them equal.
 
 
 def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
@@ -367,75 +366,6 @@ def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
     return keep[:, None] & (jnp.arange(seq) < seq - 1)[None, :]
 
 
-def reference_lm_head_loss(
-    x: Float[Array, "batch seq embed"],
-    w: Float[Array, "embed vocab"],
-    targets: Int[Array, "batch seq"],
-    mask: Bool[Array, "batch seq"],
-):
-    """(CE sum, logsumexp^2 sum) from the whole batch's logits; autodiff gives the gradients."""
-    logits_BxSxV = olmo3.linear(x, w, out_dtype=jnp.float32)
-    return loss_sums(logits_BxSxV, targets, mask)
-
-
-def lm_head_chunks(
-    x: Float[Array, "batch seq embed"],
-    w: Float[Array, "embed vocab"],
-    targets: Int[Array, "batch seq"],
-    mask: Bool[Array, "batch seq"],
-    chunk: int,
-    cotangent=None,
-):
-    """(CE sum, logsumexp^2 sum) over the masked-in positions, `chunk` positions of every instance at a time,
-    and, given the cotangent of those two sums, their gradients with respect to x and w (else None, None)."""
-    batch, seq, d = x.shape
-    chunk = chunk or seq
-    by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
-
-    def one(dw_DxV, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
-        x_BxCxD, t_BxC, m_BxC = inputs
-        logits_BxCxV = olmo3.linear(x_BxCxD, w, out_dtype=jnp.float32)
-        sums, vjp = jax.vjp(lambda logits: loss_sums(logits, t_BxC, m_BxC), logits_BxCxV)
-        if cotangent is None:
-            return dw_DxV, (sums, None)
-        # The loss's scale enters before the matmuls, as autodiff through the whole model orders it.
-        g_BxCxV = vjp(cotangent)[0].astype(x.dtype)
-        dx_BxCxD = olmo3.linear(g_BxCxV, w.T)
-        dw_DxV += jnp.matmul(
-            x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]), preferred_element_type=jnp.float32
-        )
-        return dw_DxV, (sums, dx_BxCxD)
-
-    inputs = (by_chunk(x), by_chunk(targets), by_chunk(mask))
-    dw, ((ce, zz), dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), inputs)
-    if cotangent is None:
-        return (ce.sum(), zz.sum()), None, None
-    return (ce.sum(), zz.sum()), jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def fused_lm_head_loss(x, w, targets, mask, scale, chunk: int, z_loss: float):
-    """scale * (CE + z_loss * logsumexp^2) summed over the masked-in positions, and the two sums. Only the
-    first output carries a gradient (loss_fn stops the second's)."""
-    (ce, zz), _, _ = lm_head_chunks(x, w, targets, mask, chunk)
-    return scale * (ce + z_loss * zz), (ce, zz)
-
-
-def _fused_fwd(x, w, targets, mask, scale, chunk, z_loss):
-    (ce, zz), dx, dw = lm_head_chunks(x, w, targets, mask, chunk, (scale, scale * z_loss))
-    return (scale * (ce + z_loss * zz), (ce, zz)), (dx, dw, scale)
-
-
-def _fused_bwd(chunk, z_loss, saved, cotangents):
-    dx, dw, scale = saved
-    # The loss is linear in the sums: its gradients are the forward's times g (1 for a loss).
-    g = cotangents[0]
-    return (g * dx).astype(dx.dtype), (g * dw).astype(dw.dtype), None, None, jnp.zeros_like(scale)
-
-
-fused_lm_head_loss.defvjp(_fused_fwd, _fused_bwd)
-
-
 def loss_fn(model, tokens, keep, n_targets, cfg: TrainConfig, layout=None):
     """The loss over the batch's targeted positions, divided by n_targets; aux: its CE and z-loss parts."""
     x = model.features(tokens, layout)
@@ -443,10 +373,11 @@ def loss_fn(model, tokens, keep, n_targets, cfg: TrainConfig, layout=None):
     mask, scale = targeted(keep, tokens.shape[1]), 1 / jnp.float32(n_targets)
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            ce, zz = reference_lm_head_loss(x, w, targets, mask)
+            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, mask)
             loss = (ce + cfg.z_loss * zz) * scale
         else:
-            loss, (ce, zz) = fused_lm_head_loss(x, w, targets, mask, scale, cfg.loss_chunk, cfg.z_loss)
+            weights = (scale, scale * cfg.z_loss)  # of the two sums, in the loss
+            loss, (ce, zz) = olmo3.fused_lm_head(x, w, loss_sums, targets, mask, weights, cfg.loss_chunk)
             ce, zz = jax.lax.stop_gradient((ce, zz))
     return loss, (ce * scale, cfg.z_loss * zz * scale)
 
@@ -494,9 +425,8 @@ def eval_step(model, batch, chunk: int, mesh=None):
     """Summed CE over the batch's targeted positions (no z-loss)."""
     layout = None if mesh is None else shard.Layout(mesh)
     x, mask = model.features(batch, layout), targeted(jnp.ones(batch.shape[0], bool), batch.shape[1])
-    (ce, _), _, _ = lm_head_chunks(
-        x, model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1), mask, chunk
-    )
+    w, targets = model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1)
+    (ce, _), _, _ = olmo3.lm_head_sums(x, w, loss_sums, targets, mask, chunk)
     return ce
 
 
@@ -648,9 +578,10 @@ def restore_or_init(run: Run):
     shard.check_rules(model_like, mesh)
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
     key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
-    restored = run.checkpoints.restore_latest(
-        model_like, {"opt": opt_like, "key": key_like}, check=lambda meta: check_resume(meta, run.meta, cfg)
+    check = lambda meta: ckpt.check_resume(
+        meta, run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
+    restored = run.checkpoints.restore_latest(model_like, {"opt": opt_like, "key": key_like}, check=check)
     key = jax.random.key(cfg.init_seed)
     if restored:
         step, model, state, _ = restored
@@ -666,20 +597,6 @@ def restore_or_init(run: Run):
         init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
         model = eqx.filter_jit(init)(key)
     return 0, model, make_opt(model), key
-
-
-def check_resume(meta: dict, expected: dict, cfg: TrainConfig) -> None:
-    """Refuse a checkpoint written for another model, data order or recipe, naming what changed."""
-    shape, changes = ckpt.differences(meta, expected, RECIPE_FIELDS)
-    if shape:
-        raise FlagError(
-            f"--run_dir {cfg.run_dir} holds another model shape ({shape}, as (saved, now)); use another --run_dir"
-        )
-    if changes and not cfg.allow_config_change:
-        raise FlagError(
-            f"--run_dir {cfg.run_dir} was trained with another recipe: {'; '.join(changes)}. Pass "
-            "--allow_config_change to resume anyway (e.g. to extend --steps), or use a new --run_dir"
-        )
 
 
 def read_batches(run: Run, start: int) -> data.Prefetcher:
@@ -809,16 +726,6 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: 
     return 0 if fits else 1
 
 
-def write_config(run_dir: Path, cfg: TrainConfig, tokenizer_path: str | None) -> None:
-    """The run is accepted: its config is the run directory's now, and so is the tiny tokenizer, if the run
-    has one (token files made elsewhere may come without it), which `ckpt.py to-hf` ships with the weights."""
-    if jax.process_index() == 0:
-        data.write_atomic(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-        tiny = data.tiny_tokenizer_file(tokenizer_path)
-        if cfg.tokenizer == "tiny" and os.path.exists(tiny):
-            data.write_atomic(run_dir / "tokenizer.json", Path(tiny).read_text())
-
-
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
     tok, length = data.get_tokenizer(cfg.tokenizer, tokenizer_path), min(model.cfg.max_seq_len, cfg.seq_len)
     say("samples:")
@@ -847,7 +754,7 @@ def main(cfg: TrainConfig) -> int:
         if cfg.eval_only or start >= cfg.steps:
             evaluate(run, start, model) if cfg.eval_only else say(f"run already complete: step {start}")
             return run.checkpoints.close() or 0
-        write_config(Path(cfg.run_dir), cfg, run.tokenizer_path)
+        ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
         prefetch = read_batches(run, start)
         batches = iter(prefetch)
         meter, pending, stop = Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
@@ -898,9 +805,9 @@ def cli(argv: list[str]) -> int:
     one line naming the cause; anything else is a bug and keeps its traceback."""
     try:
         return main(parse_args(argv))
-    except (FlagError, *STOPS) as e:
+    except (FlagError, ckpt.ResumeRefused, *STOPS) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, FlagError) else 1
+        return 2 if isinstance(e, (FlagError, ckpt.ResumeRefused)) else 1
 
 
 if __name__ == "__main__":
