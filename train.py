@@ -796,7 +796,9 @@ def main(cfg: TrainConfig) -> int:
     return 0
 
 
-# What stops a run with one line naming the cause (exit 1): a failed save, bad data, a NaN, a busy run directory.
+# Bad usage (exit 2): a flag's value, or flags that do not fit the run directory's checkpoints. What stops a
+# run (exit 1): a failed save, bad data, a NaN, a busy run directory. Either is one line naming the cause.
+USAGE = (FlagError, ckpt.ResumeRefused)
 STOPS = (ckpt.CheckpointError, ckpt.RunDirBusy, data.DataError, FloatingPointError, FileNotFoundError)
 
 
@@ -805,9 +807,9 @@ def cli(argv: list[str]) -> int:
     one line naming the cause; anything else is a bug and keeps its traceback."""
     try:
         return main(parse_args(argv))
-    except (FlagError, ckpt.ResumeRefused, *STOPS) as e:
+    except (*USAGE, *STOPS) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (FlagError, ckpt.ResumeRefused)) else 1
+        return 2 if isinstance(e, USAGE) else 1
 
 
 if __name__ == "__main__":

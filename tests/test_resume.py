@@ -245,13 +245,13 @@ def test_changed_recipe_is_refused_unless_allowed(env, tiny_data, reference, tmp
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     out = run(env, run_dir, tiny_data, "--seed", "7")
-    assert out.returncode != 0 and "seed: 34521 -> 7" in out.stderr
+    assert out.returncode == 2 and "seed: 34521 -> 7" in out.stderr
     out = run(env, run_dir, tiny_data, "--global_batch", "8")
-    assert out.returncode != 0 and "global_batch: 4 -> 8" in out.stderr
+    assert out.returncode == 2 and "global_batch: 4 -> 8" in out.stderr
     out = run(env, run_dir, tiny_data, "--head_layout", "2x128", "--allow_config_change")
-    assert out.returncode != 0 and "another model shape" in out.stderr
+    assert out.returncode == 2 and "another model shape" in out.stderr
     out = run(env, run_dir, tiny_data, "--steps", "14")
-    assert out.returncode != 0 and "steps: 12 -> 14" in out.stderr and "--allow_config_change" in out.stderr
+    assert out.returncode == 2 and "steps: 12 -> 14" in out.stderr and "--allow_config_change" in out.stderr
     out = run(env, run_dir, tiny_data, "--steps", "14", "--allow_config_change")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in rows(run_dir)][-2:] == [13, 14]
