@@ -1,5 +1,5 @@
 """The run directory: Orbax checkpoints of the training state (the only file that imports orbax), the lock
-that gives the directory one writer, the metrics log; and Hugging Face `Olmo3ForCausalLM` directories in and
+that gives the directory one writer, the metrics log and the progress bar; and Hugging Face `Olmo3ForCausalLM` directories in and
 out.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
@@ -26,12 +26,14 @@ import signal
 import socket
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 import data
 import shard
@@ -235,6 +237,8 @@ def _hf_files(path: Path) -> dict[str, Path]:
 
 def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str) -> None:
     """Released weights must be the preset's model (token ids and max length may differ), before loading."""
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise ValueError(f"--init_from_hf {hf_dir}: no config.json there; expected an HF model directory")
     hf = config_from_hf(json.loads((Path(hf_dir) / "config.json").read_text()), f"{hf_dir}/config.json")
     fields = (
         "vocab_size",
@@ -565,6 +569,29 @@ class MetricsLog:
         for f in (self.file, self.tb):
             if f is not None:
                 f.close()
+
+
+class Progress:
+    """The progress bar, and tokens/s over the last 20 steps, timed where each step's numbers arrive. Evals
+    and saves pause training, so the window restarts after them; until it holds two times again, the
+    previous rate stands. Step 1's rate includes the compilation."""
+
+    def __init__(self, start: int, steps: int, tokens_per_step: int):
+        lead = jax.process_index() == 0
+        self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
+        self.tokens_per_step, self.times, self.rate = tokens_per_step, deque([time.perf_counter()], 21), 0.0
+
+    def tick(self, loss: float) -> float:
+        """A step's numbers arrived: move the bar on, showing its loss. Returns tokens/s."""
+        self.times.append(time.perf_counter())
+        if len(self.times) > 1:
+            self.rate = self.tokens_per_step * (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.rate:,.0f}")
+        return self.rate
+
+    def restart(self) -> None:
+        self.times.clear()
 
 
 def plot_losses(run_dir: Path) -> None:

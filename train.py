@@ -16,17 +16,15 @@ The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import inspect
 import json
 import math
 import operator
-import os
 import re
 import sys
-import time
 import warnings
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
-from tqdm import tqdm
 
 import ckpt
 import data
@@ -47,16 +44,23 @@ import shard
 # Config
 
 
+class FlagError(ValueError):
+    """Bad usage: train.py prints it as one line and exits with code 2."""
+
+
 def flag(default, recipe=False, low=None, above=None, high=None, choices=None):
-    """A TrainConfig field and what `check` accepts for it: at least `low`, more than `above`, at most
-    `high`, one of `choices`. A recipe field changes the numbers a run computes, so a resume must match it
-    (or be given --allow_config_change); the others (mesh, microbatch, intervals) may change freely."""
+    """A TrainConfig field and the values it accepts: at least `low`, more than `above`, at most `high`, one
+    of `choices`. A recipe field changes the numbers a run computes, so a resume must match it (or be given
+    --allow_config_change); the others (mesh, microbatch, intervals) may change freely."""
     bounds = [(op, b) for op, b in ((">=", low), (">", above), ("<=", high)) if b is not None]
     return dataclasses.field(default=default, metadata=dict(recipe=recipe, bounds=bounds, choices=choices))
 
 
 def recipe(default, **accepts):
     return flag(default, recipe=True, **accepts)
+
+
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,23 @@ class TrainConfig:
     process_id: int = flag(-1, low=-1)
     heartbeat_timeout: int = flag(100, low=1)  # seconds a process may go silent before the others stop
 
+    def __post_init__(self):  # each field within what it accepts, as olmo3.Compute checks its own
+        for f in dataclasses.fields(self):
+            value, bounds, choices = (
+                getattr(self, f.name),
+                f.metadata.get("bounds", []),
+                f.metadata.get("choices"),
+            )
+            if not all(COMPARE[op](value, bound) for op, bound in bounds):
+                kind = "an integer" if f.type is int else "a number"
+                accepted = " and ".join(f"{op} {b}" for op, b in bounds)
+                raise FlagError(f"--{f.name} {value}: expected {kind} {accepted}")
+            if choices and value not in choices:
+                raise FlagError(f"--{f.name} {value!r}: expected one of {', '.join(choices)}")
+        if self.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.head_layout):
+            raise FlagError(f"--head_layout {self.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
+        shard.parse_mesh(self.mesh, None)  # ValueError naming --mesh
+
 
 # The official stage-1 recipe is the default above; the smaller presets scale it down.
 PRESETS = {
@@ -156,10 +177,6 @@ PRESETS = {
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
 
-class FlagError(ValueError):
-    """Bad usage: train.py prints it as one line and exits with code 2."""
-
-
 def flags() -> dict[str, tuple[dataclasses.Field, str]]:
     """Every flag: its field and the comment that field carries in the source. Compute's fields are flags."""
     out = {}
@@ -179,9 +196,7 @@ def value_of(cfg: TrainConfig, name: str):
     return getattr(cfg.compute if name in olmo3.Compute.__dataclass_fields__ else cfg, name)
 
 
-# How a flag's text reads as a boolean, and how `check` compares a value with a bound.
-BOOLS = {"true": True, "1": True, "false": False, "0": False}
-COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -224,42 +239,24 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
 
 def check(cfg: TrainConfig) -> None:
-    """Refuse nonsense before anything is compiled or written: FlagError names the flag, the value and what
-    would be accepted."""
-    for name, (field, _) in flags().items():
-        value, bounds, choices = (
-            value_of(cfg, name),
-            field.metadata.get("bounds", []),
-            field.metadata.get("choices"),
-        )
-        if not all(COMPARE[op](value, bound) for op, bound in bounds):
-            kind = "an integer" if field.type is int else "a number"
-            raise FlagError(
-                f"--{name} {value}: expected {kind} " + " and ".join(f"{op} {b}" for op, b in bounds)
-            )
-        if choices and value not in choices:
-            raise FlagError(f"--{name} {value!r}: expected one of {', '.join(choices)}")
+    """Refuse what no single field can, before anything is compiled or written (TrainConfig and olmo3.Compute
+    refuse a bad field when it is set): FlagError names the flags, the values and what would be accepted."""
     if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
         raise FlagError(
             f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
         )
-    if cfg.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", cfg.head_layout):
-        raise FlagError(f"--head_layout {cfg.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
-    model_config(cfg)  # the head layout must fit the preset's width
     if cfg.topology and not cfg.dry_run:
         raise FlagError(f"--topology {cfg.topology}: devices that exist only for the compiler; add --dry_run")
     if cfg.num_slices > 1 and not cfg.topology:
         raise FlagError(f"--num_slices {cfg.num_slices}: goes with --topology (a real run finds its slices)")
     if cfg.dry_run and cfg.eval_only:
         raise FlagError("--dry_run and --eval_only: choose one")
-    if cfg.init_from_hf and not (Path(cfg.init_from_hf) / "config.json").is_file():
-        raise FlagError(
-            f"--init_from_hf {cfg.init_from_hf}: no config.json there; expected an HF model directory"
-        )
     if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
-    try:
-        shard.parse_mesh(cfg.mesh, None)
+    try:  # the head layout must fit the preset's width, and released weights must be the preset's model
+        model = model_config(cfg)
+        if cfg.init_from_hf:
+            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.preset)
     except ValueError as e:
         raise FlagError(str(e)) from None
 
@@ -453,10 +450,7 @@ def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olm
     """The preset's model (or `base`) in this run's head layout and sequence length."""
     m = base or olmo3.PRESETS[cfg.preset]
     if cfg.head_layout:
-        try:
-            m = m.with_heads(*map(int, cfg.head_layout.split("x")))
-        except ValueError as e:
-            raise FlagError(str(e)) from None
+        m = m.with_heads(*map(int, cfg.head_layout.split("x")))
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
 
 
@@ -491,11 +485,10 @@ def say(*args) -> None:
 
 
 def start_devices(cfg: TrainConfig):
-    """The mesh (and, with --topology, the slice compiled for): shard.start, after the one XLA flag exact
-    resumption needs. By default GPU kernels (autotuned GEMMs, cuDNN attention's backward) may sum in a
-    varying order, and two runs of the same step drift apart; CPU and TPU steps are bitwise repeatable."""
-    if cfg.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true"
+    """The mesh (and, with --topology, the slice compiled for), after making GPU kernels sum in a fixed
+    order, which exact resumption needs, unless --deterministic=false."""
+    if cfg.deterministic:
+        shard.deterministic_gpu_ops()
     hosts = (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
     try:
         return shard.start(cfg.mesh, cfg.topology, cfg.num_slices, *hosts)
@@ -590,7 +583,6 @@ def restore_or_init(run: Run):
             return step, model, make_opt(model), key
         return step, model, state["opt"], jax.random.wrap_key_data(state["key"])
     if cfg.init_from_hf:
-        ckpt.check_hf_model(cfg.init_from_hf, run.model_cfg, cfg.preset)
         model = ckpt.load_hf(cfg.init_from_hf, shardings=model_sh, compute=run.compute)
         say(f"starting from the weights in {cfg.init_from_hf}")
     else:
@@ -621,40 +613,18 @@ def take_step(run: Run, step: int, model, opt, batch, keep=None):
     return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, keep=keep)
 
 
-class Progress:
-    """The progress bar, and tokens/s over the last 20 steps, timed where each step's numbers arrive. Evals
-    and saves pause training, so the window restarts after them; until it holds two times again, the
-    previous rate stands. Step 1's rate includes the compilation."""
-
-    def __init__(self, start: int, steps: int, tokens_per_step: int):
-        lead = jax.process_index() == 0
-        self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
-        self.tokens_per_step, self.times, self.rate = tokens_per_step, deque([time.perf_counter()], 21), 0.0
-
-    def tick(self) -> float:
-        self.times.append(time.perf_counter())
-        if len(self.times) > 1:
-            self.rate = self.tokens_per_step * (len(self.times) - 1) / (self.times[-1] - self.times[0])
-        return self.rate
-
-    def restart(self) -> None:
-        self.times.clear()
-
-
 def log_step(
-    run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter: Progress
+    run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter: ckpt.Progress
 ):
     """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
     metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-        saved = run.checkpoints.steps()
-        last = (
-            f"the last checkpoint is {run.checkpoints.dir / str(saved[-1])}" if saved else "no checkpoint yet"
-        )
+        saved = [run.checkpoints.dir / str(s) for s in run.checkpoints.steps()]
+        last = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint yet"
         raise FloatingPointError(
             f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; stopping ({last})"
         )
-    tokens_per_s, peak = meter.tick(), shard.peak_flops(run.mesh.devices.flat[0])
+    tokens_per_s, peak = meter.tick(metrics["loss"]), shard.peak_flops(run.mesh.devices.flat[0])
     flops_per_s = tokens_per_s * run.model_cfg.flops_per_token(run.cfg.seq_len)
     batch_hash, filtered = shard.sum_over_processes([batch_hash, filtered])  # each process read its own rows
     row = dict(step=step, **metrics, lr=lr_at(step, run.cfg), filtered=filtered, tokens_per_s=tokens_per_s)
@@ -663,8 +633,6 @@ def log_step(
         tokens=step * meter.tokens_per_step, data_wait_s=wait, batch_hash=data.format_hash(batch_hash)
     )
     run.log.write(row)
-    meter.bar.update(1)
-    meter.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{tokens_per_s:,.0f}")
 
 
 def evaluate(run: Run, step: int, model) -> float:
@@ -687,23 +655,17 @@ def save(run: Run, step: int, model, opt, key) -> None:
 
 
 def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int):
-    """The train step compiled for the mesh from abstract inputs: nothing is allocated, so a 7B model on a
-    pod's worth of devices compiles on a laptop. Returns the compiled step and its abstract inputs by name."""
+    """The train step compiled for the mesh from abstract inputs, nothing allocated; returns it and those
+    inputs by name."""
     model, opt = abstract_state(cfg, mesh, model_cfg, compute)
-    params, static = eqx.partition(model, olmo3.is_array)
     batch = jax.ShapeDtypeStruct(
         (cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh)
     )
-
-    # eqx.filter_jit would take the abstract arrays for static values: lower through jax.jit, donating the
-    # parameters and optimizer state as train_step does.
-    def step(params, opt, batch, lr):
-        model = eqx.combine(params, static)
-        model, opt, metrics = train_step(model, opt, batch, lr, cfg=cfg, n_micro=n_micro, mesh=mesh)
-        return eqx.filter(model, eqx.is_array), opt, metrics
-
-    lr = jax.ShapeDtypeStruct((), jnp.float32)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch, lr).compile()
+    step = functools.partial(train_step, cfg=cfg, n_micro=n_micro, mesh=mesh)
+    compiled = shard.compile_abstract(
+        step, model, opt, batch, jax.ShapeDtypeStruct((), jnp.float32), donate=2
+    )
+    params = eqx.filter(model, olmo3.is_array)
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": batch}
 
 
@@ -757,7 +719,7 @@ def main(cfg: TrainConfig) -> int:
         ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
         prefetch = read_batches(run, start)
         batches = iter(prefetch)
-        meter, pending, stop = Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
+        meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
         try:
             for step in range(start + 1, cfg.steps + 1):

@@ -23,10 +23,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# As train.py does by default (its `deterministic` field); --nondeterministic measures what that costs.
-if "--nondeterministic" not in sys.argv:
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
-
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -35,6 +31,10 @@ import numpy as np  # noqa: E402
 import olmo3  # noqa: E402
 import shard  # noqa: E402
 import train  # noqa: E402
+
+# As train.py does by default (its `deterministic` field); --nondeterministic measures what that costs.
+if "--nondeterministic" not in sys.argv:
+    shard.deterministic_gpu_ops()
 
 ROWS = []
 PROFILE_DIR = None  # --profile

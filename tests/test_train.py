@@ -596,7 +596,9 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
         "--init_from_hf",
         str(tmp_path / "hf8"),
     )
-    assert out.returncode != 0 and "n_layers 8 (checkpoint) vs 4 (preset)" in out.stderr
+    # Refused as bad usage, in one line, before anything is compiled or the run directory is made.
+    assert out.returncode == 2 and "n_layers 8 (checkpoint) vs 4 (preset)" in out.stderr, out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "run8").exists()
 
 
 def test_a_nan_stops_the_run_naming_the_last_checkpoint_there_is(tmp_path):
