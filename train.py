@@ -120,16 +120,12 @@ class TrainConfig:
 
     def __post_init__(self):  # each field within what it accepts, as olmo3.Compute checks its own
         for f in dataclasses.fields(self):
-            value, bounds, choices = (
-                getattr(self, f.name),
-                f.metadata.get("bounds", []),
-                f.metadata.get("choices"),
-            )
+            value, bounds = getattr(self, f.name), f.metadata.get("bounds", [])
             if not all(COMPARE[op](value, bound) for op, bound in bounds):
                 kind = "an integer" if f.type is int else "a number"
                 accepted = " and ".join(f"{op} {b}" for op, b in bounds)
                 raise FlagError(f"--{f.name} {value}: expected {kind} {accepted}")
-            if choices and value not in choices:
+            if (choices := f.metadata.get("choices")) and value not in choices:
                 raise FlagError(f"--{f.name} {value!r}: expected one of {', '.join(choices)}")
         if self.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.head_layout):
             raise FlagError(f"--head_layout {self.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
@@ -735,11 +731,11 @@ def main(cfg: TrainConfig) -> int:
                 if do_eval or do_save:  # never evaluate or checkpoint a state whose loss was not checked
                     log_step(run, *pending, meter)
                     pending = None
-                if do_eval:
-                    evaluate(run, step, model)
-                if do_save:
-                    save(run, step, model, opt, key)
-                meter.restart() if do_eval or do_save else None
+                    if do_eval:
+                        evaluate(run, step, model)
+                    if do_save:
+                        save(run, step, model, opt, key)
+                    meter.restart()  # they paused training: tokens/s counts again from here
                 if stop:
                     say(f"saved step {step}; exiting for the preemption")
                     break
