@@ -183,13 +183,9 @@ def flags() -> dict[str, tuple[dataclasses.Field, str]]:
 
 
 def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
-    if name in {f.name for f in dataclasses.fields(olmo3.Compute)}:
+    if name in olmo3.Compute.__dataclass_fields__:
         return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, **{name: value}))
     return dataclasses.replace(cfg, **{name: value})
-
-
-def value_of(cfg: TrainConfig, name: str):
-    return getattr(cfg.compute if name in olmo3.Compute.__dataclass_fields__ else cfg, name)
 
 
 BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
@@ -200,10 +196,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
     or a bare `--name` for a boolean's true. Checked by `check` before use."""
     known, pairs, args = flags(), [], list(argv)
     if {"-h", "--help"} & set(args):
+        defaults = dataclasses.asdict(PRESETS["7b"]) | dataclasses.asdict(PRESETS["7b"].compute)
         print(
             f"usage: python train.py [--preset {'|'.join(PRESETS)}] [--FLAG VALUE ...]; each flag sets one "
             "field of the preset. Flags and the 7b preset's values:",
-            *(f"  --{k:<20} {value_of(PRESETS['7b'], k)!r:<14} {doc}" for k, (_, doc) in known.items()),
+            *(f"  --{k:<20} {defaults[k]!r:<14} {doc}" for k, (_, doc) in known.items()),
             sep="\n",
         )
         raise SystemExit(0)
