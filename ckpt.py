@@ -1,6 +1,6 @@
 """The run directory: Orbax checkpoints of the training state (the only file that imports orbax), the lock
-that gives the directory one writer, the metrics log and the progress bar; and Hugging Face `Olmo3ForCausalLM` directories in and
-out.
+that gives the directory one writer, the metrics log and the progress bar; and Hugging Face
+`Olmo3ForCausalLM` directories in and out.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer

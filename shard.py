@@ -439,7 +439,8 @@ def abstract(tree, shardings):
 def compile_abstract(fn, *args, donate: int = 0):
     """`fn(*args)` compiled for abstract arrays with shardings (see `abstract`), nothing allocated: a 7B step
     for a pod's worth of devices compiles on a laptop. The first `donate` arguments are donated, as the real
-    step donates them. Lowered through jax.jit: eqx.filter_jit would take abstract arrays for static values."""
+    step donates them. Lowered through jax.jit: eqx.filter_jit would take abstract arrays for static
+    values."""
     dynamic, static = eqx.partition(args, is_array)
     run = lambda *dynamic: eqx.filter(fn(*eqx.combine(dynamic, static)), eqx.is_array)
     return jax.jit(run, donate_argnums=tuple(range(donate))).lower(*dynamic).compile()

@@ -193,7 +193,8 @@ BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's te
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """`--preset NAME` picks the base; every other flag then sets one field: `--name value`, `--name=value`,
-    or a bare `--name` for a boolean's true. Checked by `check` before use."""
+    or a bare `--name` for a boolean's true. A bad field is refused as it is set; `check` then refuses what
+    spans fields."""
     known, pairs, args = flags(), [], list(argv)
     if {"-h", "--help"} & set(args):
         defaults = dataclasses.asdict(PRESETS["7b"]) | dataclasses.asdict(PRESETS["7b"].compute)
