@@ -36,6 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 import data
+import olmo3
 import shard
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
@@ -284,7 +285,7 @@ def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
             f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM"
         )
 
-    model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0), compute=compute)
+    model = olmo3.abstract(cfg, compute)
     handles = {f: safe_open(f, framework="numpy") for f in set(files.values())}
     by_leaf = {}
     for leaf, layer, name, n_in in hf_names(cfg):
@@ -920,7 +921,7 @@ def _abstract(x):
 def _abstract_model(cfg: Olmo3Config):
     """The model's structure with every array abstract and placed on this process's first device."""
     one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    model = eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0))
+    model = olmo3.abstract(cfg)
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one) if is_array(x) else x, model
     )
@@ -986,7 +987,7 @@ def model_side(model: Olmo3, mesh):
 
 def _load_for_compare(path: Path, compute: Compute, mesh) -> Olmo3:
     """The weights of a Hugging Face directory, or of a run's newest valid checkpoint, straight onto the mesh."""
-    place = lambda cfg: shard.shardings(eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0)), mesh)
+    place = lambda cfg: shard.shardings(olmo3.abstract(cfg), mesh)
     if not (path / "checkpoints").is_dir():  # not a run directory: a Hugging Face one
         cfg = config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
         return load_hf(path, shardings=place(cfg), compute=compute)
@@ -995,7 +996,7 @@ def _load_for_compare(path: Path, compute: Compute, mesh) -> Olmo3:
         for step in reversed(ckpts.steps()):
             try:
                 cfg = config_from_hf(ckpts.read_meta(step)["model"], f"{ckpts.dir / str(step)} meta")
-                like = shard.abstract(eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0)), place(cfg))
+                like = shard.abstract(olmo3.abstract(cfg), place(cfg))
                 return ckpts.read(step, like)[0].using(compute)
             except CorruptCheckpoint as e:
                 print(f"checkpoint {step} is corrupt ({e}); trying the one before it", file=sys.stderr)

@@ -574,6 +574,12 @@ class Olmo3(eqx.Module):
         return rms_norm(x, model.norm, cfg.norm_eps)
 
 
+def abstract(cfg: Olmo3Config, compute: Compute = Compute()) -> Olmo3:
+    """The model's shapes and dtypes as jax.ShapeDtypeStruct leaves, nothing allocated: what a restore
+    reads into, a dry run compiles for and a parameter count reads."""
+    return eqx.filter_eval_shape(Olmo3, cfg, key=jax.random.key(0), compute=compute)
+
+
 def is_array(x) -> bool:
     """An array or an abstract one (from eval_shape): what a model or optimizer state holds."""
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))

@@ -494,7 +494,7 @@ def start_devices(cfg: TrainConfig):
 
 def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute) -> None:
     device, peak = mesh.devices.flat[0], shard.peak_flops(mesh.devices.flat[0])
-    n_params = olmo3.count_params(eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0)))
+    n_params = olmo3.count_params(olmo3.abstract(model_cfg))
     say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     say(
         f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
@@ -551,7 +551,7 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
 def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute):
     """The model and optimizer state as abstract arrays with their shardings, nothing allocated: what a
     restore reads into and a dry run compiles for."""
-    model = eqx.filter_eval_shape(olmo3.Olmo3, model_cfg, key=jax.random.key(0), compute=compute)
+    model = olmo3.abstract(model_cfg, compute)
     sharded = lambda tree: shard.abstract(tree, shard.shardings(tree, mesh))
     return sharded(model), sharded(eqx.filter_eval_shape(init_opt, model, cfg))
 
