@@ -12,10 +12,13 @@ transformer whose departures from Llama are:
   untied LM head after a final RMSNorm, vocab 100278 padded to 100352 (a multiple of 128)
 - init: normal(0, 0.02) truncated at +-3 sigma, not renormalised; norm weights 1
 
-The model maps a batch of sequences, or one (`*batch` may be empty). Array shapes are jaxtyping
-annotations whose dimension names are the logical axes shard.py maps onto the mesh: batch, seq, embed,
-heads, kv_heads, head_dim, mlp, vocab, and layers for the stacked blocks.
-Einsum letters (attention): s/t query/key position, k kv_heads, g query heads per kv head, h head_dim.
+The model maps a batch of sequences, or one (`*batch` may be empty). Shapes are written one way, in
+annotations and comments alike: jaxtyping's space-separated dimension names ("batch seq embed"). The
+names are the logical axes shard.py maps onto the mesh: batch, seq, embed, heads, kv_heads, head_dim, mlp,
+vocab, and layers for the stacked blocks; inside a computation also group (query heads per kv head), keys
+(the positions a query attends over), blocks and window (local attention), chunk (the chunked LM head).
+Einsum strings take one letter per name: s/t seq as query/key position, k kv_heads, g group, h head_dim,
+i blocks.
 """
 
 import dataclasses
@@ -64,9 +67,11 @@ class Compute:
             ("remat", tuple(REMAT_POLICIES)),
         ]:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"--{name} {getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+                raise ValueError(
+                    f"Compute.{name} {getattr(self, name)!r}: expected one of {', '.join(allowed)}"
+                )
         if self.scan_unroll < 1:
-            raise ValueError(f"--scan_unroll {self.scan_unroll}: expected an integer >= 1")
+            raise ValueError(f"Compute.scan_unroll {self.scan_unroll}: expected an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,9 @@ class Olmo3Config:
         group = self.n_heads // self.n_kv_heads
         if heads * head_dim != self.n_heads * self.head_dim or heads % group:
             raise ValueError(
-                f"--head_layout {heads}x{head_dim}: expected heads x head_dim = {self.n_heads * self.head_dim} "
-                f"with heads a multiple of {group}"
+                f"with_heads(heads={heads}, head_dim={head_dim}): expected heads x head_dim = "
+                f"{self.n_heads * self.head_dim} (n_heads x head_dim), heads a multiple of {group} "
+                "(n_heads / n_kv_heads)"
             )
         return dataclasses.replace(self, n_heads=heads, head_dim=head_dim, n_kv_heads=heads // group)
 
@@ -175,40 +181,33 @@ class Olmo3Config:
         return self.rope_sliding if layer_type == SLIDING else self.rope_full
 
 
-def _olmo3(n_layers, d_model, n_heads, n_kv_heads, head_dim, mlp_hidden, vocab_size=100_278, **kw):
+def _olmo3(*, n_layers: int, **fields) -> Olmo3Config:
+    """An Olmo3Config whose layers repeat OLMo 3's pattern: three sliding, then one full."""
     return Olmo3Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        mlp_hidden=mlp_hidden,
-        layer_types=(SLIDING, SLIDING, SLIDING, FULL) * (n_layers // 4),
-        **kw,
+        n_layers=n_layers, layer_types=(SLIDING, SLIDING, SLIDING, FULL) * (n_layers // 4), **fields
     )
 
 
-# OLMo-core's shapes (`TransformerConfig.olmo3_190M/1B/7B/32B`); `tiny` is ours, sized for a 2-core CPU
-# and the 8192-token Shakespeare tokenizer.
+# OLMo-core's shapes (`TransformerConfig.olmo3_190M/1B/7B/32B`, tests/test_model.py compares them); `tiny` is
+# ours, sized for a 2-core CPU and the 8192-token Shakespeare tokenizer.
 PRESETS = {
     "tiny": _olmo3(
-        4,
-        256,
-        4,
-        4,
-        64,
-        768,
+        n_layers=4,
+        d_model=256,
+        n_heads=4,
+        n_kv_heads=4,
+        head_dim=64,
+        mlp_hidden=768,
         vocab_size=8192,
         sliding_window=64,
         max_seq_len=256,
         eos_token_id=0,
         pad_token_id=None,
     ),
-    "190m": _olmo3(12, 768, 12, 12, 64, 3072),
-    "1b": _olmo3(16, 2048, 16, 16, 128, 8192),
-    "7b": _olmo3(32, 4096, 32, 32, 128, 11008),
-    "32b": _olmo3(64, 5120, 40, 8, 128, 27648),
+    "190m": _olmo3(n_layers=12, d_model=768, n_heads=12, n_kv_heads=12, head_dim=64, mlp_hidden=3072),
+    "1b": _olmo3(n_layers=16, d_model=2048, n_heads=16, n_kv_heads=16, head_dim=128, mlp_hidden=8192),
+    "7b": _olmo3(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=32, head_dim=128, mlp_hidden=11008),
+    "32b": _olmo3(n_layers=64, d_model=5120, n_heads=40, n_kv_heads=8, head_dim=128, mlp_hidden=27648),
 }
 
 
@@ -317,8 +316,8 @@ def attention(
     if impl == "cudnn":
         if q.dtype not in (jnp.bfloat16, jnp.float16):
             raise ValueError(
-                f"attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}; "
-                "use --dtype bfloat16 or another --attention"
+                f"Compute.attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}: expected "
+                "Compute.dtype bfloat16, or another Compute.attention"
             )
         return jax.nn.dot_product_attention(
             q,
@@ -340,35 +339,39 @@ def attention(
     return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
 
 
-def _local_attention(q, k, v, window):
+def _local_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    window: int,
+) -> Float[Array, "*batch seq heads head_dim"]:
     # Sliding-window attention in blocks of `window` queries, each against its own block of keys and the
     # one before: exactly the keys the window can reach, so the same softmax as the reference without the
-    # (seq x seq) scores, of which all but ~2 * window per query are masked to an exact zero anyway.
-    # Suffixes name the axes after `*batch`: N blocks, W = window positions in a block (2W: the block
-    # before and this one), K kv heads, G query heads per kv head, H head_dim.
+    # "seq seq" scores, of which all but ~2 * window per query are masked to an exact zero anyway.
+    # Shapes after `*batch`: q_blocks "blocks window kv_heads group head_dim", k_blocks and v_blocks
+    # "blocks window kv_heads head_dim", k_reach and v_reach "blocks keys kv_heads head_dim" (2 * window
+    # keys: the block before, then this one), scores and probs "blocks kv_heads group window keys".
     *batch, seq, n_heads, head_dim = q.shape
     n_kv, n_blocks = k.shape[-2], seq // window
-    q_NxWxKxGxH = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
+    q_blocks = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
     earlier = lambda x: jnp.concatenate([jnp.zeros_like(x[..., :1, :, :, :]), x[..., :-1, :, :, :]], axis=-4)
-    k_NxWxKxH, v_NxWxKxH = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
-    k_Nx2WxKxH, v_Nx2WxKxH = (jnp.concatenate([earlier(x), x], axis=-3) for x in (k_NxWxKxH, v_NxWxKxH))
-    scores_NxKxGxWx2W = jnp.einsum(
-        "...iskgh,...itkh->...ikgst", q_NxWxKxGxH, k_Nx2WxKxH, preferred_element_type=jnp.float32
-    )
+    k_blocks, v_blocks = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
+    k_reach, v_reach = (jnp.concatenate([earlier(x), x], axis=-3) for x in (k_blocks, v_blocks))
+    scores = jnp.einsum("...iskgh,...itkh->...ikgst", q_blocks, k_reach, preferred_element_type=jnp.float32)
     s = jnp.arange(window)[None, :, None] + window  # query and key positions in (previous block, this block)
     t = jnp.arange(2 * window)[None, None, :]
     first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
     mask = (t <= s) & (s - t < window) & ~(first & (t < window))
     mask = mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window))
-    probs_NxKxGxWx2W = masked_softmax(scores_NxKxGxWx2W * head_dim**-0.5, mask).astype(v.dtype)
-    out_NxWxKxGxH = jnp.einsum("...ikgst,...itkh->...iskgh", probs_NxKxGxWx2W, v_Nx2WxKxH)
-    return out_NxWxKxGxH.reshape(*batch, seq, n_heads, head_dim)
+    probs = masked_softmax(scores * head_dim**-0.5, mask).astype(v.dtype)
+    out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v_reach)
+    return out.reshape(*batch, seq, n_heads, head_dim)
 
 
 def _splash_attention(q, k, v, window, layout):
     # TPU Pallas (Mosaic) kernel; the window is a LocalMask, so it is honoured, never dropped. XLA cannot
     # partition a Mosaic kernel, so on a mesh it runs inside shard_map on each device's rows and heads:
-    # q is regrouped as (kv_heads, heads per kv head) so that q, k and v split their heads alike.
+    # q is regrouped as "kv_heads group" so that q, k and v split their heads alike.
     *batch, seq, n_heads, head_dim = q.shape
     n_kv = k.shape[-2]
     qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
@@ -406,7 +409,9 @@ def _splash_kernel(
     one = sa.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else sa.CausalMask((seq, seq))
     block = min(512, seq)  # 512-wide tiles keep the MXU busy; the sequence must divide into them
     if seq % block:
-        raise ValueError(f"attention='splash' needs seq_len ({seq}) to be a multiple of {block}")
+        raise ValueError(
+            f"Compute.attention 'splash' needs the sequence length ({seq}) to be a multiple of {block}"
+        )
     sizes = sa.BlockSizes(
         block_q=block,
         block_kv=block,
@@ -423,7 +428,7 @@ def _splash_kernel(
         q_seq_shards=1,
         interpret=interpret,
     )
-    heads_first = lambda x: jnp.moveaxis(x.reshape(seq, -1, head_dim), 0, 1)  # (heads, seq, head_dim)
+    heads_first = lambda x: jnp.moveaxis(x.reshape(seq, -1, head_dim), 0, 1)  # heads seq head_dim
     out = kernel(heads_first(q * head_dim**-0.5), heads_first(k), heads_first(v))  # splash does not scale
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
@@ -550,7 +555,10 @@ class Olmo3(eqx.Module):
         """The final-normed hidden states that the LM head reads."""
         cfg, compute = self.cfg, self.compute
         if compute.attention == "auto":
-            raise ValueError("attention 'auto' is decided per run (train.attention_kernel); give a kernel")
+            raise ValueError(
+                "Compute.attention 'auto' is decided per run (train.attention_kernel picks by hardware): "
+                f"expected one of {', '.join(ATTENTION_KERNELS)}"
+            )
         model = self.as_used(layout)
         x = model.embed_tokens[tokens]
         attend = functools.partial(attention, impl=compute.attention, layout=layout)
@@ -612,23 +620,24 @@ def lm_head_sums(
     """`sums(logits, targets, mask)`, a tuple of scalars, added up over `chunk` positions of every instance at
     a time (0: the whole sequence); given `weights`, one per sum, also the gradients of the weighted total
     with respect to x and w (else None, None)."""
-    batch, seq, d = x.shape
+    batch, seq, embed = x.shape
     chunk = chunk or seq
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
 
-    def one(dw_DxV, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
-        x_BxCxD, t_BxC, m_BxC = inputs
-        logits_BxCxV = linear(x_BxCxD, w, out_dtype=jnp.float32)
-        sums_C, vjp = jax.vjp(lambda logits: sums(logits, t_BxC, m_BxC), logits_BxCxV)
+    def one(dw_so_far, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
+        x_chunk, targets_chunk, mask_chunk = inputs  # batch chunk embed, batch chunk, batch chunk
+        chunk_logits = linear(x_chunk, w, out_dtype=jnp.float32)  # batch chunk vocab
+        chunk_sums, vjp = jax.vjp(lambda logits: sums(logits, targets_chunk, mask_chunk), chunk_logits)
         if weights is None:
-            return dw_DxV, (sums_C, None)
-        # The weights (the loss's scale) enter before the matmuls, as autodiff through the whole model orders it.
-        g_BxCxV = vjp(weights)[0].astype(x.dtype)
-        dx_BxCxD = linear(g_BxCxV, w.T)
-        dw_DxV += jnp.matmul(
-            x_BxCxD.reshape(-1, d).T, g_BxCxV.reshape(-1, w.shape[1]), preferred_element_type=jnp.float32
+            return dw_so_far, (chunk_sums, None)
+        # The weights (the loss's scale) enter before the matmuls, as autodiff through the whole model orders
+        # it: g is the weighted total's gradient with respect to the logits (batch chunk vocab).
+        g = vjp(weights)[0].astype(x.dtype)
+        dx_chunk = linear(g, w.T)  # batch chunk embed
+        dw_so_far += jnp.matmul(  # embed vocab
+            x_chunk.reshape(-1, embed).T, g.reshape(-1, w.shape[1]), preferred_element_type=jnp.float32
         )
-        return dw_DxV, (sums_C, dx_BxCxD)
+        return dw_so_far, (chunk_sums, dx_chunk)
 
     inputs = (by_chunk(x), by_chunk(targets), by_chunk(mask))
     dw, (per_chunk, dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), inputs)
