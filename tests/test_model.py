@@ -1,5 +1,5 @@
 """The model against independent references: transformers' Olmo3ForCausalLM (PyTorch, eager attention),
-brute-force NumPy attention, and the OLMo-core parameter counts."""
+brute-force NumPy attention, and OLMo-core's model configs."""
 
 import dataclasses
 import json
@@ -7,6 +7,7 @@ import json
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxtyping
 import numpy as np
 import pytest
 import torch
@@ -150,7 +151,9 @@ def test_splash_kernel_equals_reference():
 
 def test_cudnn_refuses_fp32():
     x = jnp.zeros((8, 2, 16), jnp.float32)
-    with pytest.raises(ValueError, match="cudnn.*bf16"):
+    with pytest.raises(
+        ValueError, match="^Compute.attention 'cudnn' needs bf16 or fp16 compute, got float32"
+    ):
         olmo3.attention(x, x, x, 4, "cudnn")
 
 
@@ -195,25 +198,80 @@ def test_remat_policies_leave_gradients_unchanged(remat):
 
 
 def test_wrong_input_shape_is_a_type_error():
+    # pytest runs olmo3 under jaxtyping's import hook (pyproject's --jaxtyping-packages): a call whose arrays
+    # disagree on a named dimension is refused before any maths, naming the argument and the dimension.
     cfg = olmo3.PRESETS["tiny"]
     model = olmo3.Olmo3(cfg, key=jax.random.key(0))
     block = jax.tree.map(lambda w: w[0], model.layers)
     cos, sin = olmo3.rope_cos_sin(cfg.rope(olmo3.SLIDING), cfg.head_dim, 16)
-    with pytest.raises(Exception, match="(?i)type-check|jaxtyping|shape|dimension"):
-        block(jnp.zeros((2, 8, cfg.d_model)), cos, sin, None, cfg)  # 8 positions, RoPE angles for 16
-    with pytest.raises(Exception, match="(?i)type-check|jaxtyping|dtype"):
-        model(jnp.zeros(8, jnp.float32))
+    assert block(jnp.zeros((2, 16, cfg.d_model)), cos, sin, None, cfg).shape == (2, 16, cfg.d_model)
+    with pytest.raises(jaxtyping.TypeCheckError, match=r"(?s)parameter 'cos'.*seq head_dim.*\bseq=8\b"):
+        block(jnp.zeros((2, 8, cfg.d_model)), cos, sin, None, cfg)  # x fixes seq=8; RoPE's angles are for 16
+    with pytest.raises(jaxtyping.TypeCheckError, match=r"(?s)parameter 'tokens'.*Expected type: .*Int\["):
+        model(jnp.zeros(8, jnp.float32))  # token ids must be integers
 
 
-@pytest.mark.parametrize(
-    "name,count",
-    [("7b", 7_298_617_344), ("32b", 32_234_279_936), ("1b", 1_484_916_736), ("190m", 267_424_512)],
-)
-def test_preset_parameter_counts(name, count):
-    cfg = olmo3.PRESETS[name]
-    abstract = olmo3.abstract(cfg)
-    assert cfg.padded_vocab == 100_352
-    assert olmo3.count_params(abstract) == count
+def test_compute_refuses_unknown_values_naming_the_field():
+    with pytest.raises(
+        ValueError, match="^Compute.attention 'flash': expected one of auto, reference, local, "
+    ):
+        olmo3.Compute(attention="flash")
+    with pytest.raises(ValueError, match="^Compute.remat 'some': expected one of none, full, save_matmuls, "):
+        olmo3.Compute(remat="some")
+    with pytest.raises(ValueError, match="^Compute.scan_unroll 0: expected an integer >= 1$"):
+        olmo3.Compute(scan_unroll=0)
+
+
+OLMO_CORE_PRESETS = {"190m": "olmo3_190M", "1b": "olmo3_1B", "7b": "olmo3_7B", "32b": "olmo3_32B"}
+
+
+def olmo_core_fields(theirs, tokenizer) -> dict:
+    """OLMo-core's TransformerConfig and TokenizerConfig read as our Olmo3Config's fields."""
+    attn, n = theirs.block.sequence_mixer, theirs.n_layers
+    pattern = attn.sliding_window
+    sliding = [i for i in range(n) if pattern.should_use_swa(i, n)]
+    (window,) = {pattern.get_window_size(i, n) for i in sliding}
+    return dict(
+        vocab_size=tokenizer.vocab_size,
+        d_model=theirs.d_model,
+        n_layers=n,
+        n_heads=attn.n_heads,
+        n_kv_heads=attn.n_kv_heads or attn.n_heads,  # None: one kv head per head
+        head_dim=attn.head_dim or theirs.d_model // attn.n_heads,  # None: d_model / n_heads
+        mlp_hidden=theirs.block.feed_forward.hidden_size,
+        layer_types=tuple(SLIDING if i in sliding else FULL for i in range(n)),
+        sliding_window=window,
+        rope_sliding=olmo3.Rope(theta=float(attn.rope.theta)),
+        rope_full=olmo3.Rope(theta=float(attn.rope.theta)),
+        norm_eps=theirs.block.layer_norm.eps,
+        init_std=theirs.init_std,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+@pytest.mark.parametrize("name", OLMO_CORE_PRESETS)
+def test_presets_are_olmo_core_s_olmo3_models(name):
+    # OLMo-core's TransformerConfig only describes the model (nothing is allocated until .build()).
+    from olmo_core.data import TokenizerConfig
+    from olmo_core.nn.transformer import TransformerBlockType, TransformerConfig
+
+    tokenizer = TokenizerConfig.dolma2()
+    theirs = getattr(TransformerConfig, OLMO_CORE_PRESETS[name])(vocab_size=tokenizer.padded_vocab_size())
+    ours = olmo3.PRESETS[name]
+    expected = olmo_core_fields(theirs, tokenizer)
+    assert {field: getattr(ours, field) for field in expected} == expected
+    assert ours.padded_vocab == theirs.vocab_size
+    assert olmo3.count_params(olmo3.abstract(ours)) == theirs.num_params
+    # What our model hard-wires rather than configures: the block, the norms, RoPE, no biases, an untied head.
+    attn = theirs.block.sequence_mixer
+    assert theirs.block.name == TransformerBlockType.reordered_norm
+    assert attn.qk_norm.eps == theirs.lm_head.layer_norm.eps == ours.norm_eps
+    assert not attn.use_head_qk_norm  # one norm over the whole q (and k) projection
+    assert attn.rope.scaling is None and attn.rope.full_precision and not attn.rope.no_global_rope
+    assert not (
+        attn.bias or theirs.block.feed_forward.bias or theirs.lm_head.bias or theirs.tie_word_embeddings
+    )
 
 
 def test_init_is_olmo_core_truncated_normal():
