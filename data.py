@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_SEED = 34521  # the official OLMo 3 7B stage-1 run (OLMo-core OLMo-3-1025-7B-pretrain-1.py)
+TINY_DIR = "data/tiny"  # where prepare-tiny writes the corpus and its tokenizer.json by default
 TINY_VOCAB, TINY_EOS = 8192, "<|endoftext|>"
 TINY_VAL_PLAYS = ("macbeth", "the-tempest", "the-comedy-of-errors")  # held out whole: 6% of the tokens
 
@@ -116,7 +117,7 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
     """(train files, held-out files, tiny tokenizer path or None) from train.py's --data, --data_root and
     --eval_data: token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"."""
     if spec == "tiny":
-        prepared = prepare_tiny(data_root or "data/tiny")
+        prepared = prepare_tiny(data_root or TINY_DIR)
         return prepared["train"], prepared["val"], prepared["tokenizer"]
     if not spec:
         raise ValueError(
@@ -148,15 +149,19 @@ def _num_tokens(path: str, dtype: np.dtype) -> int:
     return size // dtype.itemsize
 
 
+def bad_id(path: str, offset: int, token_id: int, vocab_size: int) -> DataError:
+    """The one message for a token id past the vocabulary: the file, the token's offset in it, the way on."""
+    return DataError(
+        f"{path}: token {offset} has id {token_id}, not below the vocabulary of {vocab_size}; `python data.py "
+        f"check {path} --vocab_size {vocab_size}` scans every token (another tokenizer? a file of another dtype?)"
+    )
+
+
 def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
     """Raise at the first token id >= vocab_size, naming the file and the token's offset in it."""
     bad = np.flatnonzero(tokens >= vocab_size)
     if len(bad):
-        j = int(bad[0])
-        raise DataError(
-            f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
-            f"(another tokenizer? {dtype_for_vocab(vocab_size)} files read as another dtype?)"
-        )
+        raise bad_id(path, offset + int(bad[0]), int(tokens[bad[0]]), vocab_size)
 
 
 class TokenLoader:
@@ -167,7 +172,7 @@ class TokenLoader:
         paths,
         seq_len: int,
         global_batch_size: int,
-        seed: int = DEFAULT_SEED,
+        seed: int | None = None,
         epoch: int = 1,
         dtype=np.uint32,
         vocab_size: int | None = None,
@@ -222,6 +227,9 @@ class TokenLoader:
         return self._indices
 
     def _load_or_build_indices(self) -> np.ndarray:
+        # No default seed: the recipe's is train.py's --seed, and a second copy here could drift from it.
+        if self.seed is None:
+            raise ValueError("the data order needs a seed: pass TokenLoader(..., seed=) (train.py's --seed)")
         n = self.num_instances
         if self.work_dir is None:
             return global_indices(n, self.seed, self.epoch)
@@ -282,11 +290,7 @@ class TokenLoader:
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             r, t = np.argwhere(rows >= self.vocab_size)[0]
             path, offset = self.where(int(instances[r]))
-            raise DataError(
-                f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
-                f"{self.vocab_size}; `python data.py check {path} --vocab_size {self.vocab_size}` "
-                "scans every token (another tokenizer? a file of another dtype?)"
-            )
+            raise bad_id(path, offset + int(t), int(rows[r, t]), self.vocab_size)
         return rows
 
     def row_ids(self, rank: int, world: int) -> np.ndarray:
@@ -440,8 +444,7 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
     if name == "tiny":
         from tokenizers import Tokenizer as HFTokenizer
 
-        path = path or "data/tiny"
-        file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+        file = tiny_tokenizer_file(path)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"tiny tokenizer {file} does not exist: run python data.py prepare-tiny")
         tok = HFTokenizer.from_file(file)
@@ -459,8 +462,8 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
 
 def tiny_tokenizer_file(path: str | None) -> str:
     """Where the tiny tokenizer trained by `prepare` lives: `path` itself if it names a .json file, else
-    tokenizer.json in the directory `path` (default data/tiny)."""
-    return path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
+    tokenizer.json in the directory `path` (default TINY_DIR)."""
+    return path if path and path.endswith(".json") else os.path.join(path or TINY_DIR, "tokenizer.json")
 
 
 def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
@@ -687,7 +690,7 @@ def _train_tiny_tokenizer(docs: list[str]):
     return tok
 
 
-def prepare_tiny(out_dir: str = "data/tiny") -> dict:
+def prepare_tiny(out_dir: str = TINY_DIR) -> dict:
     """Tokenize Shakespeare once into out_dir/{tokenizer.json,train/,val/}; returns the files and tokenizer."""
     done = os.path.join(out_dir, "metadata.json")  # written last, so its presence means complete
     if not os.path.isfile(done):
@@ -749,18 +752,19 @@ def inspect(
     print(f"instance 0 starts {sample.tolist()}, which reads\n---\n{tok.decode(sample)}\n---")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def parser() -> argparse.ArgumentParser:
+    """data.py's command line: one subcommand per job, each with its own flags."""
+    p = argparse.ArgumentParser(
+        prog="data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True)
     tokenize_p = sub.add_parser("tokenize", help="text/json/jsonl/parquet files or save_to_disk folders")
-    tokenize_p.add_argument("srcs", nargs="+")
+    tokenize_p.add_argument("srcs", nargs="+", help="files or folders; globs are expanded")
     tokenize_p.add_argument("--out", required=True, help="folder for part-NNNNN.npy and metadata.json")
     tokenize_p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizing processes")
     tokenize_p.add_argument("--text_field", default="text", help="the text column of json/parquet/saved data")
     sub.add_parser("prepare-tiny", help="tokenize Shakespeare for the tiny preset").add_argument(
-        "--out", default="data/tiny"
+        "--out", default=TINY_DIR
     )
     inspect_p = sub.add_parser("inspect", help="tokens, instances, dtype and a decoded sample")
     inspect_p.add_argument("paths", nargs="+")
@@ -769,10 +773,14 @@ if __name__ == "__main__":
     check_p.add_argument("paths", nargs="+")
     check_p.add_argument("--vocab_size", type=int, required=True)
     check_p.add_argument("--dtype", default=None, help="default: the smallest uint dtype for vocab_size")
-    for p in (tokenize_p, inspect_p):
-        p.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "tiny"])
-        p.add_argument("--tokenizer_path", default=None, help="the tiny tokenizer's folder: data/tiny")
-    args = parser.parse_args()
+    for q in (tokenize_p, inspect_p):
+        q.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "tiny"])
+        q.add_argument("--tokenizer_path", default=None, help=f"the tiny tokenizer's folder: {TINY_DIR}")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     if args.command == "tokenize":
         files = tokenize(
             args.srcs, args.out, args.tokenizer, args.num_proc, args.text_field, args.tokenizer_path
@@ -786,3 +794,8 @@ if __name__ == "__main__":
     else:
         n = check_tokens(args.paths, args.vocab_size, args.dtype)
         print(f"ok: {n:,} tokens in {len(args.paths)} files, all below {args.vocab_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

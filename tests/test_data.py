@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 import data
+import train
 
 ROOT = os.path.dirname(os.path.abspath(data.__file__))
 DOLMA2_VOCAB = 100278
 LENGTHS = [1000, 37, 513, 2048, 0, 300, 640]  # tokens per file: one shorter than SEQ, one empty
+SEED = train.TrainConfig.seed  # the recipe's data order
 SEQ = 64  # so 15 + 0 + 8 + 32 + 0 + 4 + 10 = 69 instances
 
 
@@ -69,7 +71,7 @@ def olmo_core_loader(paths, dtype, vocab, batch, seed, work_dir, world=1, rank=0
 
 
 @pytest.mark.parametrize("dtype, vocab", [(np.uint32, DOLMA2_VOCAB), (np.uint16, 50280)])
-@pytest.mark.parametrize("seed", [0, data.DEFAULT_SEED])
+@pytest.mark.parametrize("seed", [0, SEED])
 def test_same_order_and_batches_as_olmo_core(tmp_path, dtype, vocab, seed):
     paths = write_token_files(tmp_path / "tokens", dtype=dtype, vocab=vocab, seed=seed)
     for batch, worlds in [(4, [1, 2, 4]), (6, [1, 3]), (8, [2, 8])]:
@@ -169,12 +171,12 @@ def test_later_epoch_and_large_permutation_match_olmo_core(tmp_path):
     n = 2**20 + 3
     [path] = write_token_files(tmp_path / "big", [n], np.uint16, 50280)
     for epoch in (1, 2):
-        ref = olmo_core_loader([path], np.uint16, 50280, 8, 34521, str(tmp_path), epoch=epoch, seq=1)
-        np.testing.assert_array_equal(data.global_indices(n, 34521, epoch), ref.get_global_indices())
-    ours = data.TokenLoader([path], 1, 8, epoch=2, dtype=np.uint16)
+        ref = olmo_core_loader([path], np.uint16, 50280, 8, SEED, str(tmp_path), epoch=epoch, seq=1)
+        np.testing.assert_array_equal(data.global_indices(n, SEED, epoch), ref.get_global_indices())
+    ours = data.TokenLoader([path], 1, 8, seed=SEED, epoch=2, dtype=np.uint16)
     assert ours.indices.dtype == np.uint32 and ours.num_batches == n // 8
     tracemalloc.start()  # numpy reports its buffers to tracemalloc
-    data.global_indices(n, 34521, 1)
+    data.global_indices(n, SEED, 1)
     assert tracemalloc.get_traced_memory()[1] < 4 * n + 2**16  # the output and nothing more: 2.9 GB at 724M
     tracemalloc.stop()
 
@@ -214,13 +216,16 @@ def test_instances_are_file_slices_and_local_batches_reassemble(tmp_path):
 
 def test_two_loaders_and_another_process_agree(tmp_path):
     paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
-    a, b = data.TokenLoader(paths, SEQ, 4, work_dir=work), data.TokenLoader(paths, SEQ, 4)
+    a, b = (
+        data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work),
+        data.TokenLoader(paths, SEQ, 4, seed=SEED),
+    )
     batches = np.stack([a.global_batch(i) for i in range(a.num_batches)])
     np.testing.assert_array_equal(batches, np.stack([b.global_batch(i) for i in range(b.num_batches)]))
     # A fresh process, as after a restart, resumes at batch 5 from nothing but that number.
     out = str(tmp_path / "out.npy")
     script = (
-        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, work_dir={work!r}); "
+        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, seed={SEED}, work_dir={work!r}); "
         f"np.save({out!r}, np.stack([l.global_batch(i) for i in range(5, l.num_batches)]))"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
@@ -229,8 +234,8 @@ def test_two_loaders_and_another_process_agree(tmp_path):
 
 def test_permutation_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch, capsys):
     paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
-    expected = data.global_indices(69, data.DEFAULT_SEED, 1)
-    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+    expected = data.global_indices(69, SEED, 1)
+    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected)
     [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
     assert os.path.getsize(cache) == 4 * 69 and os.listdir(work) == [os.path.basename(cache)]
 
@@ -238,22 +243,26 @@ def test_permutation_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monk
         raise AssertionError("the permutation was rebuilt")
 
     monkeypatch.setattr(data, "global_indices", fail)
-    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected)
     monkeypatch.undo()
     for damage in (lambda f: f.truncate(100), lambda f: (f.seek(8), f.write(b"\xff"))):
         with open(cache, "r+b") as f:
             damage(f)
-        np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+        np.testing.assert_array_equal(
+            data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected
+        )
         assert "rebuilding the damaged permutation cache" in capsys.readouterr().out
         np.testing.assert_array_equal(np.fromfile(cache, np.uint32), expected)
 
 
 def test_fingerprint_mismatch_names_what_changed(tmp_path):
     paths = write_token_files(tmp_path / "tokens")
-    saved = json.loads(json.dumps(data.TokenLoader(paths, SEQ, 4).fingerprint))  # as a checkpoint keeps it
-    data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
+    saved = json.loads(
+        json.dumps(data.TokenLoader(paths, SEQ, 4, seed=SEED).fingerprint)
+    )  # as a checkpoint keeps it
+    data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4, seed=SEED).fingerprint)
     moved = write_token_files(tmp_path / "elsewhere")  # the same files under another root still resume
-    data.check_fingerprint(saved, data.TokenLoader(moved, SEQ, 4).fingerprint)
+    data.check_fingerprint(saved, data.TokenLoader(moved, SEQ, 4, seed=SEED).fingerprint)
     with pytest.raises(ValueError, match=r"seed: 34521 -> 7") as e:
         data.check_fingerprint(saved, data.TokenLoader(paths, 32, 8, seed=7).fingerprint)
     assert "seq_len: 64 -> 32" in str(e.value) and "global_batch_size: 4 -> 8" in str(e.value)
@@ -264,13 +273,13 @@ def test_fingerprint_mismatch_names_what_changed(tmp_path):
         match=r"files: 7 -> 7 files, first difference at #2: "
         r"\['000002.npy', 2052\] -> \['000002.npy', 2056\]",
     ):
-        data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
+        data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4, seed=SEED).fingerprint)
     with pytest.raises(ValueError, match=r"files: 7 -> 6 files, first difference at #6: .* -> None"):
-        data.check_fingerprint(saved, data.TokenLoader(moved[:6], SEQ, 4).fingerprint)
+        data.check_fingerprint(saved, data.TokenLoader(moved[:6], SEQ, 4, seed=SEED).fingerprint)
 
 
 def test_batch_hash_definition_additivity_and_sensitivity(tmp_path):
-    loader = data.TokenLoader(write_token_files(tmp_path), SEQ, 8)
+    loader = data.TokenLoader(write_token_files(tmp_path), SEQ, 8, seed=SEED)
     batch = loader.global_batch(0)
     # The definition in plain hashlib, so that any framework can recompute it.
     rows = [
@@ -297,12 +306,12 @@ def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
     with open(paths[1], "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(ValueError, match=r"000001\.npy: 150 bytes is not a whole number of uint32 \(4 bytes"):
-        data.TokenLoader(paths, SEQ, 4)
+        data.TokenLoader(paths, SEQ, 4, seed=SEED)
     paths = write_token_files(tmp_path / "tokens")
-    with pytest.raises(ValueError, match=r"000003\.npy: token \d+ has id \d+, not below vocab_size 1000"):
-        data.TokenLoader(paths[3:], SEQ, 4, vocab_size=1000)
+    with pytest.raises(ValueError, match=r"000003\.npy: token \d+ has id \d+, not below the vocabulary of 1000"):
+        data.TokenLoader(paths[3:], SEQ, 4, seed=SEED, vocab_size=1000)
     with pytest.raises(FileNotFoundError, match=r"nope\.npy does not exist"):
-        data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4)
+        data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4, seed=SEED)
     with pytest.raises(ValueError, match=r"empty mix"):
         data.TokenLoader([], SEQ, 4)
     with pytest.raises(
@@ -310,10 +319,10 @@ def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
         match=r"seq_len 4096 is longer than every token file; "
         r"the longest, .*000003\.npy, has 2048 tokens",
     ):
-        data.TokenLoader(paths, 4096, 4)
+        data.TokenLoader(paths, 4096, 4, seed=SEED)
     with pytest.raises(ValueError, match=r"69 instances of 64 tokens do not fill one global batch of 70"):
-        data.TokenLoader(paths, SEQ, 70)
-    loader = data.TokenLoader(paths, SEQ, 6)
+        data.TokenLoader(paths, SEQ, 70, seed=SEED)
+    loader = data.TokenLoader(paths, SEQ, 6, seed=SEED)
     with pytest.raises(ValueError, match=r"global_batch_size 6 is not divisible by the data-parallel world"):
         loader.local_batch(0, 0, 4)
     with pytest.raises(IndexError, match=r"batch 11 is past the end of epoch 1, which has 11 batches"):
@@ -333,8 +342,8 @@ def test_check_scans_every_token(tmp_path):
     tokens = np.fromfile(path, np.uint16)
     tokens[150_001] = 9000  # far past the head of the file that TokenLoader samples
     tokens.tofile(path)
-    data.TokenLoader([path], SEQ, 4, dtype=np.uint16, vocab_size=8192)
-    with pytest.raises(ValueError, match=r"0\.npy: token 150001 has id 9000, not below vocab_size 8192"):
+    data.TokenLoader([path], SEQ, 4, seed=SEED, dtype=np.uint16, vocab_size=8192)
+    with pytest.raises(ValueError, match=r"0\.npy: token 150001 has id 9000, not below the vocabulary of 8192"):
         data.check_tokens([path], 8192)
     cli = subprocess.run(
         [sys.executable, "data.py", "check", path, "--vocab_size", "8192"],
