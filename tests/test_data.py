@@ -308,7 +308,9 @@ def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
     with pytest.raises(ValueError, match=r"000001\.npy: 150 bytes is not a whole number of uint32 \(4 bytes"):
         data.TokenLoader(paths, SEQ, 4, seed=SEED)
     paths = write_token_files(tmp_path / "tokens")
-    with pytest.raises(ValueError, match=r"000003\.npy: token \d+ has id \d+, not below the vocabulary of 1000"):
+    with pytest.raises(
+        ValueError, match=r"000003\.npy: token \d+ has id \d+, not below the vocabulary of 1000"
+    ):
         data.TokenLoader(paths[3:], SEQ, 4, seed=SEED, vocab_size=1000)
     with pytest.raises(FileNotFoundError, match=r"nope\.npy does not exist"):
         data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4, seed=SEED)
@@ -343,7 +345,9 @@ def test_check_scans_every_token(tmp_path):
     tokens[150_001] = 9000  # far past the head of the file that TokenLoader samples
     tokens.tofile(path)
     data.TokenLoader([path], SEQ, 4, seed=SEED, dtype=np.uint16, vocab_size=8192)
-    with pytest.raises(ValueError, match=r"0\.npy: token 150001 has id 9000, not below the vocabulary of 8192"):
+    with pytest.raises(
+        ValueError, match=r"0\.npy: token 150001 has id 9000, not below the vocabulary of 8192"
+    ):
         data.check_tokens([path], 8192)
     cli = subprocess.run(
         [sys.executable, "data.py", "check", path, "--vocab_size", "8192"],
