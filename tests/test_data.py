@@ -1,5 +1,6 @@
 """data.py against independent references: OLMo-core's own dataset and loader, tiktoken, HF tokenizers."""
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -517,3 +518,168 @@ def test_prefetcher_order_wait_and_errors():
     next(iter(p))
     p.close()
     assert not p._thread.is_alive()
+
+
+def one_line_error(capsys, code: int = 1) -> str:
+    """The single line a command printed to stderr (after any progress bars), checked to start with error:."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ") or "Traceback" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+def train_cli(capsys, tmp_path, *flags) -> tuple[int, str]:
+    """train.py --preset tiny on the given data flags, stopped by what set-up finds: (exit code, stderr)."""
+    code = train.cli(["--preset", "tiny", "--run_dir", str(tmp_path / "run"), "--steps", "1", *flags])
+    return code, capsys.readouterr().err
+
+
+def set_up(**fields) -> "train.Run":
+    """train.set_up for the tiny preset with these fields: its data and run directory, nothing compiled."""
+    cfg = dataclasses.replace(train.PRESETS["tiny"], steps=1, **fields)
+    run = train.set_up(cfg, None, train.model_config(cfg), None, 1)
+    run.checkpoints.close()
+    run.log.close()
+    return run
+
+
+def test_token_files_of_another_layout_are_refused_naming_the_fix(tmp_path, capsys):
+    ids = np.random.default_rng(0).integers(0, 8192, 200_000)
+    wide, saved, plain = (str(tmp_path / name) for name in ("wide.npy", "saved.npy", "plain.npy"))
+    ids.astype(np.uint32).tofile(wide)  # the tiny vocabulary written as uint32: every second uint16 is 0
+    np.save(saved, ids.astype(np.uint16))  # a .npy header before the ids
+    plain_ids = np.where(np.arange(200_000) % 20 == 0, 0, ids).astype(np.uint16)  # a real file: EOS (0) often
+    plain_ids.tofile(plain)
+    with pytest.raises(
+        data.DataError, match=r"wide\.npy reads as uint16 .*: uint32 token ids; pass --data_dtype"
+    ):
+        data.TokenLoader([wide], SEQ, 4, dtype=np.uint16, vocab_size=8192)
+    for dtype in (np.uint16, np.uint32):  # refused for its header whatever dtype it is read as
+        with pytest.raises(data.DataError, match=r"saved\.npy starts with a \.npy header \(np\.save\)"):
+            data.TokenLoader([saved], SEQ, 4, dtype=dtype)
+    assert data.check_tokens([plain], 8192) == 200_000
+    assert data.main(["check", wide, "--vocab_size", "8192"]) == 1
+    line = one_line_error(capsys)
+    assert "wide.npy reads as uint16" in line and "pass --data_dtype uint32" in line
+    assert data.main(["check", wide, "--vocab_size", "8192", "--data_dtype", "uint32"]) == 0
+    assert "ok: 200,000 tokens" in capsys.readouterr().out
+    # train.py: refused by default, read as written with --data_dtype uint32.
+    code, err = train_cli(capsys, tmp_path, "--data", wide)
+    assert code == 1 and err.strip().splitlines()[-1].startswith(f"error: {wide} reads as uint16"), err[
+        -3000:
+    ]
+    run = set_up(data=wide, data_dtype="uint32", run_dir=str(tmp_path / "wide-run"))
+    np.testing.assert_array_equal(run.loader.instance(3), ids[3 * 256 : 4 * 256])
+
+
+def test_held_out_ids_are_checked_whole_before_step_1(tmp_path, tiny_data):
+    tokens = np.fromfile(tiny_data / "val" / "part-00000.npy", np.uint16).copy()
+    tokens[len(tokens) - 7] = 9000  # far past the head (4,096 tokens) the training files' check samples
+    bad = tmp_path / "val.npy"
+    tokens.tofile(bad)
+    train_part = str(tiny_data / "train" / "part-00000.npy")
+    with pytest.raises(data.DataError, match=rf"val\.npy: token {len(tokens) - 7} has id 9000, not below"):
+        set_up(data=train_part, eval_data=str(bad), run_dir=str(tmp_path / "run"))
+
+
+def test_data_root_is_a_folder_that_exists_unless_it_is_made_for_tiny(tmp_path):
+    [path] = write_token_files(tmp_path, [1000])
+    with pytest.raises(
+        data.DataError, match=r"--data_root .*nowhere is not a directory: .*only with --data tiny"
+    ):
+        data.resolve(os.path.basename(path), str(tmp_path / "nowhere"))
+    assert data.resolve(os.path.basename(path), str(tmp_path)) == ([path], [], None)
+    assert "with --data tiny, made if missing" in train.flags()["data_root"][1]  # what --help says
+
+
+def test_train_data_inputs_stop_in_one_line_naming_the_flag_or_file(tmp_path, capsys):
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "odd.npy").write_bytes(b"abc")
+    (tmp_path / "nocomma.txt").write_text("just-a-path.npy\n")
+    (tmp_path / "nothing.txt").write_text("# every line a comment\n")
+    (tmp_path / "dir").mkdir()
+    [good] = write_token_files(tmp_path / "good", [4096], np.uint16, 8192)
+    cases = [
+        (["--data", f"{tmp_path}/empty.npy"], "empty.npy, has 0 tokens"),
+        (["--data", f"{tmp_path}/odd.npy"], "odd.npy: 3 bytes is not a whole number of uint16"),
+        (["--data", f"{tmp_path}/nocomma.txt"], "nocomma.txt line 1: expected 'label,path'"),
+        (["--data", f"{tmp_path}/nothing.txt"], "nothing.txt lists no token files"),
+        (["--data", good, "--eval_data", f"{tmp_path}/val-*.npy"], "--eval_data '"),
+        (["--data", f"{tmp_path}/dir"], f"{tmp_path}/dir is a directory; expected token files in it"),
+    ]
+    for flags, expected in cases:
+        code, err = train_cli(capsys, tmp_path, *flags)
+        last = err.strip().splitlines()[-1]
+        assert code == 1 and last.startswith("error: ") and expected in last and "Traceback" not in err, err[
+            -3000:
+        ]
+
+
+def test_data_commands_stop_in_one_line_naming_the_file_or_flag(tmp_path, capsys):
+    srcs = tmp_path / "src"
+    [jsonl] = write_sources(srcs, ["a document", "another"], "jsonl")
+    (srcs / "empty.jsonl").write_text("")
+    (srcs / "prose.jsonl").write_text("not json\nat all\n")
+    (srcs / "notes.md").write_text("x")
+    out = str(tmp_path / "out")
+    cases = [
+        (["tokenize", str(srcs / "empty.jsonl")], "empty.jsonl is empty"),
+        (["tokenize", str(srcs / "prose.jsonl")], "prose.jsonl: not readable as json"),
+        (["tokenize", jsonl], "no text column 'text' among ['body', 'id']; name it with --text_field"),
+        (["tokenize", str(srcs / "*.parquet")], "*.parquet' matches no file"),
+        (["tokenize", str(srcs / "notes.md")], "notes.md: unknown extension '.md'"),
+        (["tokenize", jsonl, "--tokenizer", "tiny", "--tokenizer_path", str(tmp_path)], "(--tokenizer_path)"),
+        (["check", str(tmp_path / "nope.npy"), "--vocab_size", "8192"], "nope.npy does not exist"),
+        (["inspect", str(tmp_path / "nope.npy")], "nope.npy does not exist"),
+    ]
+    for args, expected in cases:
+        tokenize_flags = (
+            ["--out", out, "--num_proc", "1"] if args[0] == "tokenize" else []
+        )  # no fork beside jax
+        assert data.main([*args, *tokenize_flags]) == 1, args
+        assert expected in one_line_error(capsys), args
+    assert not glob.glob(os.path.join(out, "*"))  # nothing was left behind
+    # A glob is expanded, as train.py's --data does; then the folder holds token files and is refused.
+    assert (
+        data.main(
+            ["tokenize", str(srcs / "doc*.jsonl"), "--out", out, "--text_field", "body", "--num_proc", "1"]
+        )
+        == 0
+    )
+    with open(os.path.join(out, "metadata.json")) as f:
+        assert json.load(f)["sources"] == [jsonl]
+    assert data.main(["tokenize", jsonl, "--out", out, "--text_field", "body"]) == 1
+    assert f"--out {out} already holds token files" in one_line_error(capsys)
+    [bad] = write_token_files(tmp_path / "bad", [5000], np.uint16, 9000)
+    assert data.main(["check", bad, "--vocab_size", "8192"]) == 1
+    assert "has id" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_tokenize_to_a_read_only_or_full_disk_stops_in_one_line(tmp_path, fault):
+    """--out on a mount of its own (a mount namespace): read-only, or a 200 KB tmpfs that the sources fill."""
+    [src] = write_sources(tmp_path / "src", ["word " * 200] * 3000, "jsonl")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = (
+        f"mount --bind {disk} {disk} && mount -o remount,ro,bind {disk}"
+        if fault == "read-only"
+        else f"mount -t tmpfs -o size=200k tmpfs {disk}"
+    )
+    command = f"{sys.executable} data.py tokenize {src} --out {disk}/out --text_field body --num_proc 1"
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"{mount} && {{ {command}; echo exit=$?; find {disk} -mindepth 1; }}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if "exit=" not in out.stdout:
+        pytest.skip(f"no private mounts here (unshare -rm): {out.stderr[-300:]}")
+    assert "exit=1" in out.stdout and "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    if fault == "read-only":
+        assert last == f"error: [Errno 30] Read-only file system: '{disk}/out'"
+    else:
+        assert last == f"error: --out {disk}/out: No space left on device while caching the sources there"
+        assert out.stdout.split("exit=1")[1].split() == [f"{disk}/out"]  # and nothing inside it
