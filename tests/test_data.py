@@ -467,7 +467,7 @@ def test_tokenize_round_trip(tmp_path, tiny, kind, tokenizer, num_proc):
         meta = json.load(f)
     assert (meta["num_docs"], meta["num_tokens"]) == (len(docs), len(tokens))
     assert meta["dtype"] == np.dtype(dtype).name
-    with pytest.raises(FileExistsError, match="already holds token files"):
+    with pytest.raises(data.DataError, match="already holds token files"):
         data.tokenize(srcs, out, tokenizer, tokenizer_path=path)
 
 
