@@ -149,7 +149,7 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
     if data_root and not os.path.isdir(data_root):
         raise DataError(
             f"--data_root {data_root} is not a directory: it is the folder relative paths of --data, "
-            "--eval_data and the mix file are under (only with --data tiny is it created, for the tiny corpus)"
+            "--eval_data and the mix file are under (only with --data tiny is it created, for that corpus)"
         )
 
     def files(flag, spec):
@@ -187,9 +187,9 @@ def check_layout(path: str, dtype: np.dtype):
         and (halves[1::2] == 0).mean() > 0.9 > 2 * (halves[::2] == 0).mean()
     ):
         raise DataError(
-            f"{path} reads as uint16 with a zero in {(halves[1::2] == 0).sum()} of the first {len(halves) // 2} "
-            "odd positions: uint32 token ids; pass --data_dtype uint32, or rewrite it as uint16 (OLMo-core's "
-            "dtype below 65,536 ids)"
+            f"{path} reads as uint16 with a zero in {(halves[1::2] == 0).sum()} of the first "
+            f"{len(halves) // 2} odd positions: uint32 token ids; pass --data_dtype uint32, or rewrite it "
+            "as uint16 (OLMo-core's dtype below 65,536 ids)"
         )
 
 
@@ -201,8 +201,8 @@ def _num_tokens(path: str, dtype: np.dtype) -> int:
     size = os.path.getsize(path)
     if size % dtype.itemsize:
         raise DataError(
-            f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut short, "
-            "or of another dtype (--data_dtype)?"
+            f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut "
+            "short, or of another dtype (--data_dtype)?"
         )
     return size // dtype.itemsize
 
@@ -210,8 +210,9 @@ def _num_tokens(path: str, dtype: np.dtype) -> int:
 def bad_id(path: str, offset: int, token_id: int, vocab_size: int) -> DataError:
     """The one message for a token id past the vocabulary: the file, the token's offset in it, the way on."""
     return DataError(
-        f"{path}: token {offset} has id {token_id}, not below the vocabulary of {vocab_size}; `python data.py "
-        f"check {path} --vocab_size {vocab_size}` scans every token (another tokenizer? a file of another dtype?)"
+        f"{path}: token {offset} has id {token_id}, not below the vocabulary of {vocab_size}; "
+        f"`python data.py check {path} --vocab_size {vocab_size}` scans every token "
+        "(another tokenizer? a file of another dtype?)"
     )
 
 
@@ -635,7 +636,8 @@ def _source_kind(src: str) -> str:
     ext = os.path.splitext(src)[1]
     if ext not in SOURCE_KINDS:
         raise DataError(
-            f"source {src}: unknown extension {ext!r}, expected one of {sorted(SOURCE_KINDS)} or a save_to_disk folder"
+            f"source {src}: unknown extension {ext!r}, expected one of {sorted(SOURCE_KINDS)} or a "
+            "save_to_disk folder"
         )
     if os.path.getsize(src) == 0 and ext != ".txt":  # (an empty .txt file is one empty document)
         raise DataError(f"source {src} is empty: it holds no documents; remove it from the sources")
@@ -647,9 +649,8 @@ def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
     import datasets
 
     parts = []
-    for k, group in itertools.groupby(
-        srcs, key=_source_kind
-    ):  # one load per run of files of one kind, in order
+    # One load per run of files of one kind, in order.
+    for k, group in itertools.groupby(srcs, key=_source_kind):
         group = list(group)
         try:
             if k == "disk":
@@ -672,7 +673,8 @@ def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
                 raise DataError(f"source {src} holds the splits {list(ds)}: give the folder of one split")
             if field not in ds.column_names:
                 raise DataError(
-                    f"source {src}: no text column {field!r} among {ds.column_names}; name it with --text_field"
+                    f"source {src}: no text column {field!r} among {ds.column_names}; name it with "
+                    "--text_field"
                 )
             ds = ds.select_columns([field])
             parts.append(ds if field == "text" else ds.rename_column(field, "text"))
@@ -692,11 +694,14 @@ def tokenize(
     import datasets
     from tqdm import tqdm
 
-    srcs = expand(list(srcs), "a source")
+    srcs = expand(list(srcs), "source")
     if glob.glob(os.path.join(out_dir, "part-*.npy")):
         raise DataError(f"--out {out_dir} already holds token files; remove them or choose another --out")
     tok = get_tokenizer(tokenizer, tokenizer_path)
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out_dir} cannot be made ({e.strerror}); choose another --out") from e
     if not os.access(out_dir, os.W_OK):  # before `datasets` fails on its cache folder inside it
         raise DataError(
             f"--out {out_dir} is not writable (a read-only mount or permissions); choose another --out"

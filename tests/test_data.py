@@ -226,7 +226,8 @@ def test_two_loaders_and_another_process_agree(tmp_path):
     # A fresh process, as after a restart, resumes at batch 5 from nothing but that number.
     out = str(tmp_path / "out.npy")
     script = (
-        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, seed={SEED}, work_dir={work!r}); "
+        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, seed={SEED}, "
+        f"work_dir={work!r}); "
         f"np.save({out!r}, np.stack([l.global_batch(i) for i in range(5, l.num_batches)]))"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
@@ -679,7 +680,7 @@ def test_tokenize_to_a_read_only_or_full_disk_stops_in_one_line(tmp_path, fault)
     assert "exit=1" in out.stdout and "Traceback" not in out.stderr, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     if fault == "read-only":
-        assert last == f"error: [Errno 30] Read-only file system: '{disk}/out'"
+        assert last == f"error: --out {disk}/out cannot be made (Read-only file system); choose another --out"
     else:
         assert last == f"error: --out {disk}/out: No space left on device while caching the sources there"
         assert out.stdout.split("exit=1")[1].split() == [f"{disk}/out"]  # and nothing inside it
