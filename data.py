@@ -26,6 +26,7 @@ import os
 import queue
 import re
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -34,13 +35,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_SEED = 34521  # the official OLMo 3 7B stage-1 run (OLMo-core OLMo-3-1025-7B-pretrain-1.py)
+TINY_DIR = "data/tiny"  # where prepare-tiny writes the corpus and its tokenizer.json by default
 TINY_VOCAB, TINY_EOS = 8192, "<|endoftext|>"
 TINY_VAL_PLAYS = ("macbeth", "the-tempest", "the-comedy-of-errors")  # held out whole: 6% of the tokens
 
 
 class DataError(ValueError):
     """Token data that cannot be trained on, named by file and offset."""
+
+
+# Token files carry no header: their dtype is OLMo-core's rule below unless stated (train.py's and data.py's
+# --data_dtype), as for files written by another tool with a wider dtype than the vocabulary needs.
+DATA_DTYPES = ("uint8", "uint16", "uint32")
+DATA_DTYPE_HELP = (
+    "the token files' dtype; default: from the vocabulary (uint16 below 65,536 ids, uint32 above)"
+)
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -58,6 +67,8 @@ DOLMA3_TOKENIZER_ID = "allenai/dolma3-tokenizer"
 
 def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
     """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
+    if not os.path.isfile(mix_file):
+        raise FileNotFoundError(f"mix file {mix_file} does not exist")
     paths = []
     with open(mix_file) as f:
         for n, line in enumerate(f, 1):
@@ -66,16 +77,16 @@ def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TO
                 continue
             fields = line.split(",")
             if len(fields) != 2:
-                raise ValueError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
+                raise DataError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
             path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
             if "{" in path:
-                raise ValueError(
+                raise DataError(
                     f"{mix_file} line {n}: {path} has a placeholder with no value (for "
                     "{TOKENIZER}, pass tokenizer_id)"
                 )
             paths.append(os.path.join(data_root, path))
     if not paths:
-        raise ValueError(f"mix file {mix_file} lists no token files")
+        raise DataError(f"mix file {mix_file} lists no token files")
     return paths
 
 
@@ -112,51 +123,104 @@ def write_atomic(path, text: str) -> None:
         f.write(text)
 
 
+def expand(patterns: list[str], flag: str) -> list[str]:
+    """Each path as given, a glob as the sorted files it matches; a glob matching nothing is refused."""
+    found = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not matches:
+            raise DataError(f"{flag}: {pattern!r} matches no file")
+        found += matches
+    return found
+
+
 def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[str], list[str], str | None]:
     """(train files, held-out files, tiny tokenizer path or None) from train.py's --data, --data_root and
-    --eval_data: token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"."""
+    --eval_data: token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny". With "tiny",
+    data_root is the folder the tiny corpus is prepared in (once, created if missing); otherwise it is the
+    folder that relative paths of --data, --eval_data and the mix file's lines are under, and must exist."""
     if spec == "tiny":
-        prepared = prepare_tiny(data_root or "data/tiny")
+        prepared = prepare_tiny(data_root or TINY_DIR)
         return prepared["train"], prepared["val"], prepared["tokenizer"]
     if not spec:
-        raise ValueError(
+        raise DataError(
             "--data is empty: give token files (comma-separated, globs allowed), a mix .txt file, or 'tiny'"
         )
+    if data_root and not os.path.isdir(data_root):
+        raise DataError(
+            f"--data_root {data_root} is not a directory: it is the folder relative paths of --data, "
+            "--eval_data and the mix file are under (only with --data tiny is it created, for that corpus)"
+        )
 
-    def files(spec):
+    def files(flag, spec):
         if spec.endswith(".txt"):
             return read_mix(spec, data_root)
-        found = []
-        for part in filter(None, spec.split(",")):
-            path = os.path.join(data_root, part) if data_root else part
-            matches = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
-            if not matches:
-                raise FileNotFoundError(f"--data {spec!r}: {path!r} matches no file")
-            found += matches
+        found = expand(
+            [os.path.join(data_root, part) for part in spec.split(",") if part], f"{flag} {spec!r}"
+        )
+        for path in found:
+            if os.path.isdir(path):
+                raise DataError(
+                    f"{flag} {spec!r}: {path} is a directory; expected token files in it (e.g. "
+                    f"{os.path.join(path, '*.npy')}), a mix .txt file or 'tiny'"
+                )
         return found
 
-    return files(spec), files(eval_spec) if eval_spec else [], None
+    return files("--data", spec), files("--eval_data", eval_spec) if eval_spec else [], None
+
+
+def check_layout(path: str, dtype: np.dtype):
+    """Refuse a token file laid out otherwise than headerless ids of dtype, where its bytes say so: a .npy
+    header (np.save), or uint32 ids read as uint16 (below 65,536, each id's high half, every odd uint16 in a
+    sample of the file's head, is zero; a real uint16 file has a zero, an EOS at most, here and there)."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if head.startswith(b"\x93NUMPY"):
+        raise DataError(
+            f"{path} starts with a .npy header (np.save): token files are headerless ids; rewrite it with "
+            f"np.load({path!r}).astype(np.{dtype}).tofile(NEW_PATH)"
+        )
+    halves = np.frombuffer(head[: len(head) // 4 * 4], np.uint16)
+    if (
+        dtype == np.uint16
+        and len(halves) >= 64
+        and (halves[1::2] == 0).mean() > 0.9 > 2 * (halves[::2] == 0).mean()
+    ):
+        raise DataError(
+            f"{path} reads as uint16 with a zero in {(halves[1::2] == 0).sum()} of the first "
+            f"{len(halves) // 2} odd positions: uint32 token ids; pass --data_dtype uint32, or rewrite it "
+            "as uint16 (OLMo-core's dtype below 65,536 ids)"
+        )
 
 
 def _num_tokens(path: str, dtype: np.dtype) -> int:
     """Token count of a headerless token file, refusing a size that is not a whole number of tokens."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"token file {path} does not exist")
+    check_layout(path, dtype)
     size = os.path.getsize(path)
     if size % dtype.itemsize:
-        raise ValueError(f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes)")
+        raise DataError(
+            f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut "
+            "short, or of another dtype (--data_dtype)?"
+        )
     return size // dtype.itemsize
+
+
+def bad_id(path: str, offset: int, token_id: int, vocab_size: int) -> DataError:
+    """The one message for a token id past the vocabulary: the file, the token's offset in it, the way on."""
+    return DataError(
+        f"{path}: token {offset} has id {token_id}, not below the vocabulary of {vocab_size}; "
+        f"`python data.py check {path} --vocab_size {vocab_size}` scans every token "
+        "(another tokenizer? a file of another dtype?)"
+    )
 
 
 def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
     """Raise at the first token id >= vocab_size, naming the file and the token's offset in it."""
     bad = np.flatnonzero(tokens >= vocab_size)
     if len(bad):
-        j = int(bad[0])
-        raise DataError(
-            f"{path}: token {offset + j} has id {tokens[j]}, not below vocab_size {vocab_size} "
-            f"(another tokenizer? {dtype_for_vocab(vocab_size)} files read as another dtype?)"
-        )
+        raise bad_id(path, offset + int(bad[0]), int(tokens[bad[0]]), vocab_size)
 
 
 class TokenLoader:
@@ -167,7 +231,7 @@ class TokenLoader:
         paths,
         seq_len: int,
         global_batch_size: int,
-        seed: int = DEFAULT_SEED,
+        seed: int | None = None,
         epoch: int = 1,
         dtype=np.uint32,
         vocab_size: int | None = None,
@@ -175,7 +239,7 @@ class TokenLoader:
     ):
         self.paths = [os.fspath(p) for p in paths]
         if not self.paths:
-            raise ValueError("no token files given (an empty mix or path list)")
+            raise DataError("no token files given (an empty mix or path list)")
         self.seq_len, self.global_batch_size = seq_len, global_batch_size
         self.seed, self.epoch, self.dtype, self.work_dir = seed, epoch, np.dtype(dtype), work_dir
         self.vocab_size = vocab_size
@@ -185,13 +249,13 @@ class TokenLoader:
         self.num_instances = int(self.offsets[-1])
         if self.num_instances == 0:
             k = int(np.argmax(tokens))
-            raise ValueError(
+            raise DataError(
                 f"seq_len {seq_len} is longer than every token file; the longest, "
                 f"{self.paths[k]}, has {tokens[k]} tokens"
             )
         self.num_batches = self.num_instances // global_batch_size  # OLMo-core drops the partial last batch
         if self.num_batches == 0:
-            raise ValueError(
+            raise DataError(
                 f"{self.num_instances} instances of {seq_len} tokens do not fill one global "
                 f"batch of {global_batch_size}"
             )
@@ -222,6 +286,9 @@ class TokenLoader:
         return self._indices
 
     def _load_or_build_indices(self) -> np.ndarray:
+        # No default seed: the recipe's is train.py's --seed, and a second copy here could drift from it.
+        if self.seed is None:
+            raise ValueError("the data order needs a seed: pass TokenLoader(..., seed=) (train.py's --seed)")
         n = self.num_instances
         if self.work_dir is None:
             return global_indices(n, self.seed, self.epoch)
@@ -282,11 +349,7 @@ class TokenLoader:
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             r, t = np.argwhere(rows >= self.vocab_size)[0]
             path, offset = self.where(int(instances[r]))
-            raise DataError(
-                f"{path}: token {offset + t} has id {rows[r, t]}, not below the vocabulary of "
-                f"{self.vocab_size}; `python data.py check {path} --vocab_size {self.vocab_size}` "
-                "scans every token (another tokenizer? a file of another dtype?)"
-            )
+            raise bad_id(path, offset + int(t), int(rows[r, t]), self.vocab_size)
         return rows
 
     def row_ids(self, rank: int, world: int) -> np.ndarray:
@@ -440,10 +503,12 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
     if name == "tiny":
         from tokenizers import Tokenizer as HFTokenizer
 
-        path = path or "data/tiny"
-        file = path if path.endswith(".json") else os.path.join(path, "tokenizer.json")
+        file = tiny_tokenizer_file(path)
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"tiny tokenizer {file} does not exist: run python data.py prepare-tiny")
+            raise FileNotFoundError(
+                f"tiny tokenizer {file} does not exist: run python data.py prepare-tiny, or give its folder "
+                "(--tokenizer_path)"
+            )
         tok = HFTokenizer.from_file(file)
         tok.encode_special_tokens = True  # as for dolma2, an "<|endoftext|>" typed in a document is text
         return Tokenizer(
@@ -459,8 +524,8 @@ def get_tokenizer(name: str, path: str | None = None) -> Tokenizer:
 
 def tiny_tokenizer_file(path: str | None) -> str:
     """Where the tiny tokenizer trained by `prepare` lives: `path` itself if it names a .json file, else
-    tokenizer.json in the directory `path` (default data/tiny)."""
-    return path if path and path.endswith(".json") else os.path.join(path or "data/tiny", "tokenizer.json")
+    tokenizer.json in the directory `path` (default TINY_DIR)."""
+    return path if path and path.endswith(".json") else os.path.join(path or TINY_DIR, "tokenizer.json")
 
 
 def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
@@ -541,6 +606,10 @@ def _write_parts(out_dir: str, docs, dtype: np.dtype, part_tokens: int) -> list[
             f.close()
         for k in range(len(sizes)):  # every file is complete: give them their real names
             os.replace(tmp.format(k), os.path.join(out_dir, f"part-{k:05d}.npy"))
+    except OSError as e:  # a full disk says neither file nor folder: name the folder (`finally` empties it)
+        raise DataError(
+            f"writing token files to {out_dir} failed: {e.strerror or e}; nothing was kept"
+        ) from e
     finally:
         if f is not None:
             f.close()
@@ -555,38 +624,57 @@ def _encode_docs(batch: dict, name: str, path: str | None) -> dict:
     return {"input_ids": [ids + [tok.eos_id] for ids in tok.encode_batch(batch["text"])]}
 
 
+SOURCE_KINDS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}  # and folders
+
+
+def _source_kind(src: str) -> str:
+    """How `datasets` loads a source: 'disk' (a save_to_disk folder) or a builder of SOURCE_KINDS."""
+    if os.path.isdir(src):
+        return "disk"
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"source {src} does not exist")
+    ext = os.path.splitext(src)[1]
+    if ext not in SOURCE_KINDS:
+        raise DataError(
+            f"source {src}: unknown extension {ext!r}, expected one of {sorted(SOURCE_KINDS)} or a "
+            "save_to_disk folder"
+        )
+    if os.path.getsize(src) == 0 and ext != ".txt":  # (an empty .txt file is one empty document)
+        raise DataError(f"source {src} is empty: it holds no documents; remove it from the sources")
+    return SOURCE_KINDS[ext]
+
+
 def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
     """One Dataset with a 'text' column from local text/json/jsonl/parquet files or save_to_disk folders."""
     import datasets
 
-    kinds = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
-    def kind(src):
-        if os.path.isdir(src):
-            return "disk"
-        if not os.path.isfile(src):
-            raise FileNotFoundError(f"source {src} does not exist")
-        if os.path.splitext(src)[1] not in kinds:
-            raise ValueError(
-                f"source {src}: unknown extension {os.path.splitext(src)[1]!r}, expected one of "
-                f"{sorted(kinds)} or a save_to_disk folder"
-            )
-        return kinds[os.path.splitext(src)[1]]
-
     parts = []
-    for k, group in itertools.groupby(srcs, key=kind):  # one load per run of files of one kind, in order
+    # One load per run of files of one kind, in order.
+    for k, group in itertools.groupby(srcs, key=_source_kind):
         group = list(group)
-        if k == "disk":
-            loaded = [datasets.load_from_disk(src) for src in group]
-        else:  # sample_by="document": a .txt file is one document, as a play or a book is
-            extra = {"sample_by": "document"} if k == "text" else {}
-            loaded = [datasets.load_dataset(k, data_files=group, split="train", cache_dir=cache_dir, **extra)]
+        try:
+            if k == "disk":
+                loaded = [datasets.load_from_disk(src) for src in group]
+            else:  # sample_by="document": a .txt file is one document, as a play or a book is
+                extra = {"sample_by": "document"} if k == "text" else {}
+                loaded = [
+                    datasets.load_dataset(k, data_files=group, split="train", cache_dir=cache_dir, **extra)
+                ]
+        except datasets.exceptions.DatasetGenerationError as e:  # its cause says what is wrong, and where
+            if isinstance(e.__cause__, OSError):  # datasets caches the sources in --out: a full disk, say
+                out_dir = os.path.dirname(cache_dir)
+                raise DataError(
+                    f"--out {out_dir}: {e.__cause__.strerror} while caching the sources there"
+                ) from e
+            raise DataError(f"source {', '.join(group)}: not readable as {k}: {e.__cause__ or e}") from e
         field = "text" if k == "text" else text_field
         for src, ds in zip(group, loaded):
-            if not isinstance(ds, datasets.Dataset) or field not in ds.column_names:
-                raise ValueError(
-                    f"source {src}: no text column {field!r} in {ds}; pass --text_field, or the "
-                    "folder of one split"
+            if not isinstance(ds, datasets.Dataset):
+                raise DataError(f"source {src} holds the splits {list(ds)}: give the folder of one split")
+            if field not in ds.column_names:
+                raise DataError(
+                    f"source {src}: no text column {field!r} among {ds.column_names}; name it with "
+                    "--text_field"
                 )
             ds = ds.select_columns([field])
             parts.append(ds if field == "text" else ds.rename_column(field, "text"))
@@ -606,9 +694,18 @@ def tokenize(
     import datasets
     from tqdm import tqdm
 
+    srcs = expand(list(srcs), "source")
     if glob.glob(os.path.join(out_dir, "part-*.npy")):
-        raise FileExistsError(f"{out_dir} already holds token files; remove them or choose another --out")
+        raise DataError(f"--out {out_dir} already holds token files; remove them or choose another --out")
     tok = get_tokenizer(tokenizer, tokenizer_path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out_dir} cannot be made ({e.strerror}); choose another --out") from e
+    if not os.access(out_dir, os.W_OK):  # before `datasets` fails on its cache folder inside it
+        raise DataError(
+            f"--out {out_dir} is not writable (a read-only mount or permissions); choose another --out"
+        )
     dtype = dtype_for_vocab(tok.vocab_size)
     cache_dir = os.path.join(out_dir, f".tokenize-{uuid.uuid4().hex[:8]}")  # datasets' arrow files, deleted
     try:
@@ -687,10 +784,11 @@ def _train_tiny_tokenizer(docs: list[str]):
     return tok
 
 
-def prepare_tiny(out_dir: str = "data/tiny") -> dict:
+def prepare_tiny(out_dir: str = TINY_DIR) -> dict:
     """Tokenize Shakespeare once into out_dir/{tokenizer.json,train/,val/}; returns the files and tokenizer."""
     done = os.path.join(out_dir, "metadata.json")  # written last, so its presence means complete
     if not os.path.isfile(done):
+        print(f"data: preparing the tiny corpus (Shakespeare, a {TINY_VOCAB}-id BPE) in {out_dir}, once")
         split = tiny_plays()
         os.makedirs(out_dir, exist_ok=True)
         with _atomic(os.path.join(out_dir, "tokenizer.json"), "w") as f:
@@ -735,11 +833,15 @@ def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
 
 
 def inspect(
-    paths: list[str], tokenizer: str = "dolma2", tokenizer_path: str | None = None, seq_len: int = 8192
+    paths: list[str],
+    tokenizer: str = "dolma2",
+    tokenizer_path: str | None = None,
+    seq_len: int = 8192,
+    dtype: str | None = None,
 ):
     """Print tokens and instances per file, the dtype, and the decoded start of the first instance."""
     tok = get_tokenizer(tokenizer, tokenizer_path)
-    dtype = dtype_for_vocab(tok.vocab_size)
+    dtype = np.dtype(dtype or dtype_for_vocab(tok.vocab_size))
     for path in paths:
         n = _num_tokens(path, dtype)
         print(f"{path}: {n:,} tokens, {n // seq_len:,} instances of {seq_len}")
@@ -749,18 +851,19 @@ def inspect(
     print(f"instance 0 starts {sample.tolist()}, which reads\n---\n{tok.decode(sample)}\n---")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def parser() -> argparse.ArgumentParser:
+    """data.py's command line: one subcommand per job, each with its own flags."""
+    p = argparse.ArgumentParser(
+        prog="data.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True)
     tokenize_p = sub.add_parser("tokenize", help="text/json/jsonl/parquet files or save_to_disk folders")
-    tokenize_p.add_argument("srcs", nargs="+")
+    tokenize_p.add_argument("srcs", nargs="+", help="files or folders; globs are expanded")
     tokenize_p.add_argument("--out", required=True, help="folder for part-NNNNN.npy and metadata.json")
     tokenize_p.add_argument("--num_proc", type=int, default=os.cpu_count(), help="tokenizing processes")
     tokenize_p.add_argument("--text_field", default="text", help="the text column of json/parquet/saved data")
     sub.add_parser("prepare-tiny", help="tokenize Shakespeare for the tiny preset").add_argument(
-        "--out", default="data/tiny"
+        "--out", default=TINY_DIR
     )
     inspect_p = sub.add_parser("inspect", help="tokens, instances, dtype and a decoded sample")
     inspect_p.add_argument("paths", nargs="+")
@@ -768,11 +871,26 @@ if __name__ == "__main__":
     check_p = sub.add_parser("check", help="scan every token id")
     check_p.add_argument("paths", nargs="+")
     check_p.add_argument("--vocab_size", type=int, required=True)
-    check_p.add_argument("--dtype", default=None, help="default: the smallest uint dtype for vocab_size")
-    for p in (tokenize_p, inspect_p):
-        p.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "tiny"])
-        p.add_argument("--tokenizer_path", default=None, help="the tiny tokenizer's folder: data/tiny")
-    args = parser.parse_args()
+    for q in (check_p, inspect_p):
+        q.add_argument("--data_dtype", "--dtype", choices=DATA_DTYPES, help=DATA_DTYPE_HELP)
+    for q in (tokenize_p, inspect_p):
+        q.add_argument("--tokenizer", default="dolma2", choices=["dolma2", "tiny"])
+        q.add_argument("--tokenizer_path", default=None, help=f"the tiny tokenizer's folder: {TINY_DIR}")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """data.py from the command line: what it finds wrong with the data (or a file it cannot read or write)
+    is one line naming the file and the fix, and exit code 1."""
+    args = parser().parse_args(argv)
+    try:
+        return run_command(args)
+    except (DataError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_command(args) -> int:
     if args.command == "tokenize":
         files = tokenize(
             args.srcs, args.out, args.tokenizer, args.num_proc, args.text_field, args.tokenizer_path
@@ -782,7 +900,12 @@ if __name__ == "__main__":
         meta = prepare_tiny(args.out)
         print(f"tiny corpus in {args.out}: {meta['train_tokens']:,} train, {meta['val_tokens']:,} val tokens")
     elif args.command == "inspect":
-        inspect(args.paths, args.tokenizer, args.tokenizer_path, args.seq_len)
+        inspect(args.paths, args.tokenizer, args.tokenizer_path, args.seq_len, args.data_dtype)
     else:
-        n = check_tokens(args.paths, args.vocab_size, args.dtype)
+        n = check_tokens(args.paths, args.vocab_size, args.data_dtype)
         print(f"ok: {n:,} tokens in {len(args.paths)} files, all below {args.vocab_size}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -67,9 +67,10 @@ COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 class TrainConfig:
     preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
-    # data
+    # data (data_dtype first: below, the field `data` hides the module in this class body)
+    data_dtype: str = flag("", choices=("", *data.DATA_DTYPES))  # token files' dtype; default: from the vocab
     data: str = ""  # token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"
-    data_root: str = ""  # prefix for relative paths in a mix file (a gcsfuse-mounted bucket is a local path)
+    data_root: str = ""  # folder of relative --data/--eval_data/mix paths; with --data tiny, made if missing
     eval_data: str = ""  # held-out token files, read in order
     tokenizer: str = flag("dolma2", choices=("dolma2", "tiny"))  # for samples, id checks and the HF export
     seq_len: int = recipe(8192, low=2)
@@ -530,7 +531,8 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     run_dir = Path(cfg.run_dir)
     files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
     vocab = model_cfg.vocab_size
-    kw = dict(seed=cfg.seed, dtype=data.dtype_for_vocab(vocab), vocab_size=vocab, work_dir=run_dir / "data")
+    dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
+    kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=run_dir / "data")
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
     if cfg.steps > loader.num_batches:
         raise FlagError(
@@ -538,6 +540,7 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
             f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
         )
     eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
+    data.check_tokens(eval_files, vocab, dtype)  # held-out files are small: every id, before step 1
     if cfg.eval_only and eval_loader is None:
         raise FlagError("--eval_only needs held-out data: set --eval_data")
     checkpoints = ckpt.Checkpoints(run_dir, cfg.keep_last, cfg.keep_every)

@@ -40,7 +40,7 @@ def loader_speed(folder, rows):
     for k in range(6):  # 6 files x 25M uint32 tokens = 600 MB, lengths not multiples of SEQ
         paths.append(os.path.join(folder, f"{k:06d}.npy"))
         rng.integers(0, 100278, 25_000_000 + 977 * k, dtype=np.uint32).tofile(paths[-1])
-    loader = data.TokenLoader(paths, SEQ, BATCH, vocab_size=100278)
+    loader = data.TokenLoader(paths, SEQ, BATCH, seed=0, vocab_size=100278)
     for p in paths:  # evict: the first reads come from the disk
         fd = os.open(p, os.O_RDONLY)
         os.fsync(fd)
@@ -80,7 +80,7 @@ def permutation_speed(n):
     code = (
         f"import re, time, data\n"
         f"hwm = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]) * 1024\n"
-        f"base = hwm(); t = time.perf_counter(); p = data.global_indices({n}, data.DEFAULT_SEED, 1)\n"
+        f"base = hwm(); t = time.perf_counter(); p = data.global_indices({n}, 0, 1)\n"
         f"print(time.perf_counter() - t, hwm() - base)"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

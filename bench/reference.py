@@ -634,7 +634,7 @@ def main(argv=None) -> int:
         default=16,
         help="steps of SkipStep history (128 in the recipe), so the spike rule is on from step 8",
     )
-    p.add_argument("--seed", type=int, default=data.DEFAULT_SEED, help="the data order")
+    p.add_argument("--seed", type=int, default=train.TrainConfig.seed, help="the data order")
     p.add_argument(
         "--tokenizer",
         choices=["dolma2", "tiny"],

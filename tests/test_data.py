@@ -1,5 +1,6 @@
 """data.py against independent references: OLMo-core's own dataset and loader, tiktoken, HF tokenizers."""
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -14,10 +15,12 @@ import numpy as np
 import pytest
 
 import data
+import train
 
 ROOT = os.path.dirname(os.path.abspath(data.__file__))
 DOLMA2_VOCAB = 100278
 LENGTHS = [1000, 37, 513, 2048, 0, 300, 640]  # tokens per file: one shorter than SEQ, one empty
+SEED = train.TrainConfig.seed  # the recipe's data order
 SEQ = 64  # so 15 + 0 + 8 + 32 + 0 + 4 + 10 = 69 instances
 
 
@@ -69,7 +72,7 @@ def olmo_core_loader(paths, dtype, vocab, batch, seed, work_dir, world=1, rank=0
 
 
 @pytest.mark.parametrize("dtype, vocab", [(np.uint32, DOLMA2_VOCAB), (np.uint16, 50280)])
-@pytest.mark.parametrize("seed", [0, data.DEFAULT_SEED])
+@pytest.mark.parametrize("seed", [0, SEED])
 def test_same_order_and_batches_as_olmo_core(tmp_path, dtype, vocab, seed):
     paths = write_token_files(tmp_path / "tokens", dtype=dtype, vocab=vocab, seed=seed)
     for batch, worlds in [(4, [1, 2, 4]), (6, [1, 3]), (8, [2, 8])]:
@@ -169,12 +172,12 @@ def test_later_epoch_and_large_permutation_match_olmo_core(tmp_path):
     n = 2**20 + 3
     [path] = write_token_files(tmp_path / "big", [n], np.uint16, 50280)
     for epoch in (1, 2):
-        ref = olmo_core_loader([path], np.uint16, 50280, 8, 34521, str(tmp_path), epoch=epoch, seq=1)
-        np.testing.assert_array_equal(data.global_indices(n, 34521, epoch), ref.get_global_indices())
-    ours = data.TokenLoader([path], 1, 8, epoch=2, dtype=np.uint16)
+        ref = olmo_core_loader([path], np.uint16, 50280, 8, SEED, str(tmp_path), epoch=epoch, seq=1)
+        np.testing.assert_array_equal(data.global_indices(n, SEED, epoch), ref.get_global_indices())
+    ours = data.TokenLoader([path], 1, 8, seed=SEED, epoch=2, dtype=np.uint16)
     assert ours.indices.dtype == np.uint32 and ours.num_batches == n // 8
     tracemalloc.start()  # numpy reports its buffers to tracemalloc
-    data.global_indices(n, 34521, 1)
+    data.global_indices(n, SEED, 1)
     assert tracemalloc.get_traced_memory()[1] < 4 * n + 2**16  # the output and nothing more: 2.9 GB at 724M
     tracemalloc.stop()
 
@@ -214,13 +217,17 @@ def test_instances_are_file_slices_and_local_batches_reassemble(tmp_path):
 
 def test_two_loaders_and_another_process_agree(tmp_path):
     paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
-    a, b = data.TokenLoader(paths, SEQ, 4, work_dir=work), data.TokenLoader(paths, SEQ, 4)
+    a, b = (
+        data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work),
+        data.TokenLoader(paths, SEQ, 4, seed=SEED),
+    )
     batches = np.stack([a.global_batch(i) for i in range(a.num_batches)])
     np.testing.assert_array_equal(batches, np.stack([b.global_batch(i) for i in range(b.num_batches)]))
     # A fresh process, as after a restart, resumes at batch 5 from nothing but that number.
     out = str(tmp_path / "out.npy")
     script = (
-        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, work_dir={work!r}); "
+        f"import numpy as np, data; l = data.TokenLoader({paths!r}, {SEQ}, 4, seed={SEED}, "
+        f"work_dir={work!r}); "
         f"np.save({out!r}, np.stack([l.global_batch(i) for i in range(5, l.num_batches)]))"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
@@ -229,8 +236,8 @@ def test_two_loaders_and_another_process_agree(tmp_path):
 
 def test_permutation_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch, capsys):
     paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
-    expected = data.global_indices(69, data.DEFAULT_SEED, 1)
-    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+    expected = data.global_indices(69, SEED, 1)
+    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected)
     [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
     assert os.path.getsize(cache) == 4 * 69 and os.listdir(work) == [os.path.basename(cache)]
 
@@ -238,22 +245,26 @@ def test_permutation_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monk
         raise AssertionError("the permutation was rebuilt")
 
     monkeypatch.setattr(data, "global_indices", fail)
-    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected)
     monkeypatch.undo()
     for damage in (lambda f: f.truncate(100), lambda f: (f.seek(8), f.write(b"\xff"))):
         with open(cache, "r+b") as f:
             damage(f)
-        np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, work_dir=work).indices, expected)
+        np.testing.assert_array_equal(
+            data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected
+        )
         assert "rebuilding the damaged permutation cache" in capsys.readouterr().out
         np.testing.assert_array_equal(np.fromfile(cache, np.uint32), expected)
 
 
 def test_fingerprint_mismatch_names_what_changed(tmp_path):
     paths = write_token_files(tmp_path / "tokens")
-    saved = json.loads(json.dumps(data.TokenLoader(paths, SEQ, 4).fingerprint))  # as a checkpoint keeps it
-    data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
+    saved = json.loads(
+        json.dumps(data.TokenLoader(paths, SEQ, 4, seed=SEED).fingerprint)
+    )  # as a checkpoint keeps it
+    data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4, seed=SEED).fingerprint)
     moved = write_token_files(tmp_path / "elsewhere")  # the same files under another root still resume
-    data.check_fingerprint(saved, data.TokenLoader(moved, SEQ, 4).fingerprint)
+    data.check_fingerprint(saved, data.TokenLoader(moved, SEQ, 4, seed=SEED).fingerprint)
     with pytest.raises(ValueError, match=r"seed: 34521 -> 7") as e:
         data.check_fingerprint(saved, data.TokenLoader(paths, 32, 8, seed=7).fingerprint)
     assert "seq_len: 64 -> 32" in str(e.value) and "global_batch_size: 4 -> 8" in str(e.value)
@@ -264,13 +275,13 @@ def test_fingerprint_mismatch_names_what_changed(tmp_path):
         match=r"files: 7 -> 7 files, first difference at #2: "
         r"\['000002.npy', 2052\] -> \['000002.npy', 2056\]",
     ):
-        data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4).fingerprint)
+        data.check_fingerprint(saved, data.TokenLoader(paths, SEQ, 4, seed=SEED).fingerprint)
     with pytest.raises(ValueError, match=r"files: 7 -> 6 files, first difference at #6: .* -> None"):
-        data.check_fingerprint(saved, data.TokenLoader(moved[:6], SEQ, 4).fingerprint)
+        data.check_fingerprint(saved, data.TokenLoader(moved[:6], SEQ, 4, seed=SEED).fingerprint)
 
 
 def test_batch_hash_definition_additivity_and_sensitivity(tmp_path):
-    loader = data.TokenLoader(write_token_files(tmp_path), SEQ, 8)
+    loader = data.TokenLoader(write_token_files(tmp_path), SEQ, 8, seed=SEED)
     batch = loader.global_batch(0)
     # The definition in plain hashlib, so that any framework can recompute it.
     rows = [
@@ -297,12 +308,14 @@ def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
     with open(paths[1], "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(ValueError, match=r"000001\.npy: 150 bytes is not a whole number of uint32 \(4 bytes"):
-        data.TokenLoader(paths, SEQ, 4)
+        data.TokenLoader(paths, SEQ, 4, seed=SEED)
     paths = write_token_files(tmp_path / "tokens")
-    with pytest.raises(ValueError, match=r"000003\.npy: token \d+ has id \d+, not below vocab_size 1000"):
-        data.TokenLoader(paths[3:], SEQ, 4, vocab_size=1000)
+    with pytest.raises(
+        ValueError, match=r"000003\.npy: token \d+ has id \d+, not below the vocabulary of 1000"
+    ):
+        data.TokenLoader(paths[3:], SEQ, 4, seed=SEED, vocab_size=1000)
     with pytest.raises(FileNotFoundError, match=r"nope\.npy does not exist"):
-        data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4)
+        data.TokenLoader(paths + [str(tmp_path / "nope.npy")], SEQ, 4, seed=SEED)
     with pytest.raises(ValueError, match=r"empty mix"):
         data.TokenLoader([], SEQ, 4)
     with pytest.raises(
@@ -310,10 +323,10 @@ def test_bad_inputs_name_the_file_and_the_numbers(tmp_path):
         match=r"seq_len 4096 is longer than every token file; "
         r"the longest, .*000003\.npy, has 2048 tokens",
     ):
-        data.TokenLoader(paths, 4096, 4)
+        data.TokenLoader(paths, 4096, 4, seed=SEED)
     with pytest.raises(ValueError, match=r"69 instances of 64 tokens do not fill one global batch of 70"):
-        data.TokenLoader(paths, SEQ, 70)
-    loader = data.TokenLoader(paths, SEQ, 6)
+        data.TokenLoader(paths, SEQ, 70, seed=SEED)
+    loader = data.TokenLoader(paths, SEQ, 6, seed=SEED)
     with pytest.raises(ValueError, match=r"global_batch_size 6 is not divisible by the data-parallel world"):
         loader.local_batch(0, 0, 4)
     with pytest.raises(IndexError, match=r"batch 11 is past the end of epoch 1, which has 11 batches"):
@@ -333,8 +346,10 @@ def test_check_scans_every_token(tmp_path):
     tokens = np.fromfile(path, np.uint16)
     tokens[150_001] = 9000  # far past the head of the file that TokenLoader samples
     tokens.tofile(path)
-    data.TokenLoader([path], SEQ, 4, dtype=np.uint16, vocab_size=8192)
-    with pytest.raises(ValueError, match=r"0\.npy: token 150001 has id 9000, not below vocab_size 8192"):
+    data.TokenLoader([path], SEQ, 4, seed=SEED, dtype=np.uint16, vocab_size=8192)
+    with pytest.raises(
+        ValueError, match=r"0\.npy: token 150001 has id 9000, not below the vocabulary of 8192"
+    ):
         data.check_tokens([path], 8192)
     cli = subprocess.run(
         [sys.executable, "data.py", "check", path, "--vocab_size", "8192"],
@@ -453,7 +468,7 @@ def test_tokenize_round_trip(tmp_path, tiny, kind, tokenizer, num_proc):
         meta = json.load(f)
     assert (meta["num_docs"], meta["num_tokens"]) == (len(docs), len(tokens))
     assert meta["dtype"] == np.dtype(dtype).name
-    with pytest.raises(FileExistsError, match="already holds token files"):
+    with pytest.raises(data.DataError, match="already holds token files"):
         data.tokenize(srcs, out, tokenizer, tokenizer_path=path)
 
 
@@ -504,3 +519,168 @@ def test_prefetcher_order_wait_and_errors():
     next(iter(p))
     p.close()
     assert not p._thread.is_alive()
+
+
+def one_line_error(capsys, code: int = 1) -> str:
+    """The single line a command printed to stderr (after any progress bars), checked to start with error:."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ") or "Traceback" in line]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+def train_cli(capsys, tmp_path, *flags) -> tuple[int, str]:
+    """train.py --preset tiny on the given data flags, stopped by what set-up finds: (exit code, stderr)."""
+    code = train.cli(["--preset", "tiny", "--run_dir", str(tmp_path / "run"), "--steps", "1", *flags])
+    return code, capsys.readouterr().err
+
+
+def set_up(**fields) -> "train.Run":
+    """train.set_up for the tiny preset with these fields: its data and run directory, nothing compiled."""
+    cfg = dataclasses.replace(train.PRESETS["tiny"], steps=1, **fields)
+    run = train.set_up(cfg, None, train.model_config(cfg), None, 1)
+    run.checkpoints.close()
+    run.log.close()
+    return run
+
+
+def test_token_files_of_another_layout_are_refused_naming_the_fix(tmp_path, capsys):
+    ids = np.random.default_rng(0).integers(0, 8192, 200_000)
+    wide, saved, plain = (str(tmp_path / name) for name in ("wide.npy", "saved.npy", "plain.npy"))
+    ids.astype(np.uint32).tofile(wide)  # the tiny vocabulary written as uint32: every second uint16 is 0
+    np.save(saved, ids.astype(np.uint16))  # a .npy header before the ids
+    plain_ids = np.where(np.arange(200_000) % 20 == 0, 0, ids).astype(np.uint16)  # a real file: EOS (0) often
+    plain_ids.tofile(plain)
+    with pytest.raises(
+        data.DataError, match=r"wide\.npy reads as uint16 .*: uint32 token ids; pass --data_dtype"
+    ):
+        data.TokenLoader([wide], SEQ, 4, dtype=np.uint16, vocab_size=8192)
+    for dtype in (np.uint16, np.uint32):  # refused for its header whatever dtype it is read as
+        with pytest.raises(data.DataError, match=r"saved\.npy starts with a \.npy header \(np\.save\)"):
+            data.TokenLoader([saved], SEQ, 4, dtype=dtype)
+    assert data.check_tokens([plain], 8192) == 200_000
+    assert data.main(["check", wide, "--vocab_size", "8192"]) == 1
+    line = one_line_error(capsys)
+    assert "wide.npy reads as uint16" in line and "pass --data_dtype uint32" in line
+    assert data.main(["check", wide, "--vocab_size", "8192", "--data_dtype", "uint32"]) == 0
+    assert "ok: 200,000 tokens" in capsys.readouterr().out
+    # train.py: refused by default, read as written with --data_dtype uint32.
+    code, err = train_cli(capsys, tmp_path, "--data", wide)
+    assert code == 1 and err.strip().splitlines()[-1].startswith(f"error: {wide} reads as uint16"), err[
+        -3000:
+    ]
+    run = set_up(data=wide, data_dtype="uint32", run_dir=str(tmp_path / "wide-run"))
+    np.testing.assert_array_equal(run.loader.instance(3), ids[3 * 256 : 4 * 256])
+
+
+def test_held_out_ids_are_checked_whole_before_step_1(tmp_path, tiny_data):
+    tokens = np.fromfile(tiny_data / "val" / "part-00000.npy", np.uint16).copy()
+    tokens[len(tokens) - 7] = 9000  # far past the head (4,096 tokens) the training files' check samples
+    bad = tmp_path / "val.npy"
+    tokens.tofile(bad)
+    train_part = str(tiny_data / "train" / "part-00000.npy")
+    with pytest.raises(data.DataError, match=rf"val\.npy: token {len(tokens) - 7} has id 9000, not below"):
+        set_up(data=train_part, eval_data=str(bad), run_dir=str(tmp_path / "run"))
+
+
+def test_data_root_is_a_folder_that_exists_unless_it_is_made_for_tiny(tmp_path):
+    [path] = write_token_files(tmp_path, [1000])
+    with pytest.raises(
+        data.DataError, match=r"--data_root .*nowhere is not a directory: .*only with --data tiny"
+    ):
+        data.resolve(os.path.basename(path), str(tmp_path / "nowhere"))
+    assert data.resolve(os.path.basename(path), str(tmp_path)) == ([path], [], None)
+    assert "with --data tiny, made if missing" in train.flags()["data_root"][1]  # what --help says
+
+
+def test_train_data_inputs_stop_in_one_line_naming_the_flag_or_file(tmp_path, capsys):
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "odd.npy").write_bytes(b"abc")
+    (tmp_path / "nocomma.txt").write_text("just-a-path.npy\n")
+    (tmp_path / "nothing.txt").write_text("# every line a comment\n")
+    (tmp_path / "dir").mkdir()
+    [good] = write_token_files(tmp_path / "good", [4096], np.uint16, 8192)
+    cases = [
+        (["--data", f"{tmp_path}/empty.npy"], "empty.npy, has 0 tokens"),
+        (["--data", f"{tmp_path}/odd.npy"], "odd.npy: 3 bytes is not a whole number of uint16"),
+        (["--data", f"{tmp_path}/nocomma.txt"], "nocomma.txt line 1: expected 'label,path'"),
+        (["--data", f"{tmp_path}/nothing.txt"], "nothing.txt lists no token files"),
+        (["--data", good, "--eval_data", f"{tmp_path}/val-*.npy"], "--eval_data '"),
+        (["--data", f"{tmp_path}/dir"], f"{tmp_path}/dir is a directory; expected token files in it"),
+    ]
+    for flags, expected in cases:
+        code, err = train_cli(capsys, tmp_path, *flags)
+        last = err.strip().splitlines()[-1]
+        assert code == 1 and last.startswith("error: ") and expected in last and "Traceback" not in err, err[
+            -3000:
+        ]
+
+
+def test_data_commands_stop_in_one_line_naming_the_file_or_flag(tmp_path, capsys):
+    srcs = tmp_path / "src"
+    [jsonl] = write_sources(srcs, ["a document", "another"], "jsonl")
+    (srcs / "empty.jsonl").write_text("")
+    (srcs / "prose.jsonl").write_text("not json\nat all\n")
+    (srcs / "notes.md").write_text("x")
+    out = str(tmp_path / "out")
+    cases = [
+        (["tokenize", str(srcs / "empty.jsonl")], "empty.jsonl is empty"),
+        (["tokenize", str(srcs / "prose.jsonl")], "prose.jsonl: not readable as json"),
+        (["tokenize", jsonl], "no text column 'text' among ['body', 'id']; name it with --text_field"),
+        (["tokenize", str(srcs / "*.parquet")], "*.parquet' matches no file"),
+        (["tokenize", str(srcs / "notes.md")], "notes.md: unknown extension '.md'"),
+        (["tokenize", jsonl, "--tokenizer", "tiny", "--tokenizer_path", str(tmp_path)], "(--tokenizer_path)"),
+        (["check", str(tmp_path / "nope.npy"), "--vocab_size", "8192"], "nope.npy does not exist"),
+        (["inspect", str(tmp_path / "nope.npy")], "nope.npy does not exist"),
+    ]
+    for args, expected in cases:
+        tokenize_flags = (
+            ["--out", out, "--num_proc", "1"] if args[0] == "tokenize" else []
+        )  # no fork beside jax
+        assert data.main([*args, *tokenize_flags]) == 1, args
+        assert expected in one_line_error(capsys), args
+    assert not glob.glob(os.path.join(out, "*"))  # nothing was left behind
+    # A glob is expanded, as train.py's --data does; then the folder holds token files and is refused.
+    assert (
+        data.main(
+            ["tokenize", str(srcs / "doc*.jsonl"), "--out", out, "--text_field", "body", "--num_proc", "1"]
+        )
+        == 0
+    )
+    with open(os.path.join(out, "metadata.json")) as f:
+        assert json.load(f)["sources"] == [jsonl]
+    assert data.main(["tokenize", jsonl, "--out", out, "--text_field", "body"]) == 1
+    assert f"--out {out} already holds token files" in one_line_error(capsys)
+    [bad] = write_token_files(tmp_path / "bad", [5000], np.uint16, 9000)
+    assert data.main(["check", bad, "--vocab_size", "8192"]) == 1
+    assert "has id" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_tokenize_to_a_read_only_or_full_disk_stops_in_one_line(tmp_path, fault):
+    """--out on a mount of its own (a mount namespace): read-only, or a 200 KB tmpfs that the sources fill."""
+    [src] = write_sources(tmp_path / "src", ["word " * 200] * 3000, "jsonl")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = (
+        f"mount --bind {disk} {disk} && mount -o remount,ro,bind {disk}"
+        if fault == "read-only"
+        else f"mount -t tmpfs -o size=200k tmpfs {disk}"
+    )
+    command = f"{sys.executable} data.py tokenize {src} --out {disk}/out --text_field body --num_proc 1"
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"{mount} && {{ {command}; echo exit=$?; find {disk} -mindepth 1; }}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if "exit=" not in out.stdout:
+        pytest.skip(f"no private mounts here (unshare -rm): {out.stderr[-300:]}")
+    assert "exit=1" in out.stdout and "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    if fault == "read-only":
+        assert last == f"error: --out {disk}/out cannot be made (Read-only file system); choose another --out"
+    else:
+        assert last == f"error: --out {disk}/out: No space left on device while caching the sources there"
+        assert out.stdout.split("exit=1")[1].split() == [f"{disk}/out"]  # and nothing inside it

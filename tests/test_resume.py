@@ -385,7 +385,9 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
     tokens[64 * 300 + 5] = 9000  # past the first 4096 tokens (which the start-up check reads) and the vocab
     bad = tmp_path / "bad.npy"
     tokens.tofile(bad)
-    loader = data.TokenLoader([str(bad)], 64, 4, dtype=np.uint16, vocab_size=8192)
+    loader = data.TokenLoader(
+        [str(bad)], 64, 4, seed=train.TrainConfig.seed, dtype=np.uint16, vocab_size=8192
+    )
     step = next(i for i in range(loader.num_batches) if 300 in loader._batch_indices(i))
     out = run(env, tmp_path / "run", tiny_data, "--data", str(bad), "--steps", str(step + 1))
     assert out.returncode == 1, out.stderr[-3000:]

@@ -534,7 +534,7 @@ def test_the_repeat_filter_logs_what_it_drops_and_hashes_what_it_read(tiny_data,
     )
     assert train.main(cfg) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    loader = data.TokenLoader([tmp_path / "repeats.npy"], 64, 8, dtype=np.uint16)
+    loader = data.TokenLoader([tmp_path / "repeats.npy"], 64, 8, seed=cfg.seed, dtype=np.uint16)
     batches = [loader.global_batch(i) for i in range(4)]
     assert [r["filtered"] for r in rows] == [int(data.repeated(b, 32).sum()) for b in batches]
     assert sum(r["filtered"] for r in rows) > 0
@@ -571,9 +571,9 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
     # transformers' loss of those weights on batch 0 of the data order is the first step's CE.
     prepared = data.prepare_tiny(str(tiny_data))
     cfg = train.PRESETS["tiny"]
-    batch = data.TokenLoader(prepared["train"], cfg.seq_len, cfg.global_batch, dtype=np.uint16).global_batch(
-        0
-    )
+    batch = data.TokenLoader(
+        prepared["train"], cfg.seq_len, cfg.global_batch, seed=cfg.seed, dtype=np.uint16
+    ).global_batch(0)
     hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     ids = torch.as_tensor(batch.astype(np.int64))
     with torch.no_grad():
