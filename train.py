@@ -48,16 +48,16 @@ class FlagError(ValueError):
     """Bad usage: train.py prints it as one line and exits with code 2."""
 
 
-def flag(default, recipe=False, low=None, above=None, high=None, choices=None):
+def flag(default, in_recipe=False, low=None, above=None, high=None, choices=None):
     """A TrainConfig field and the values it accepts: at least `low`, more than `above`, at most `high`, one
-    of `choices`. A recipe field changes the numbers a run computes, so a resume must match it (or be given
+    of `choices`. A recipe field (in_recipe) changes the numbers a run computes, so a resume must match it (or be given
     --allow_config_change); the others (mesh, microbatch, intervals) may change freely."""
     bounds = [(op, b) for op, b in ((">=", low), (">", above), ("<=", high)) if b is not None]
-    return dataclasses.field(default=default, metadata=dict(recipe=recipe, bounds=bounds, choices=choices))
+    return dataclasses.field(default=default, metadata=dict(recipe=in_recipe, bounds=bounds, choices=choices))
 
 
 def recipe(default, **accepts):
-    return flag(default, recipe=True, **accepts)
+    return flag(default, in_recipe=True, **accepts)
 
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
@@ -270,10 +270,10 @@ def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], targeted: Bool[Array, "*#n"]):
+def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], mask: Bool[Array, "*#n"]):
     """The loss, in one place: summed CE and summed logsumexp^2 over the targeted positions."""
     ce, lse = cross_entropy(logits, targets)
-    return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
+    return jnp.where(mask, ce, 0).sum(), jnp.where(mask, lse * lse, 0).sum()
 
 
 def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
@@ -451,7 +451,8 @@ class Run:
 
 
 def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int) -> Run:
-    """The data, refusing --steps beyond it; nothing is written yet (a refused run leaves no run directory).
+    """The data, refusing --steps beyond it (or, with --eval_only, a run with nothing to evaluate); nothing is
+    written yet, so a refused run leaves no run directory.
     Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1."""
     files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
     vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
@@ -459,14 +460,31 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
         seed=cfg.seed, dtype=data.dtype_for_vocab(vocab), vocab_size=vocab, work_dir=f"{cfg.run_dir}/data"
     )
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
-    if cfg.steps > loader.num_batches and not cfg.eval_only:
+    eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
+    if cfg.eval_only:
+        check_eval_only(cfg, eval_loader)
+    elif cfg.steps > loader.num_batches:
         raise FlagError(
             f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
             f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
         )
-    eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
     return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, meta)
+
+
+def check_eval_only(cfg: TrainConfig, eval_loader: data.TokenLoader | None) -> None:
+    """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
+    weights would print a loss that means nothing, for a run directory mistyped)."""
+    if eval_loader is None:
+        raise FlagError("--eval_only needs held-out data: set --eval_data")
+    saved = Path(cfg.run_dir) / "checkpoints"
+    if not cfg.init_from_hf and not (
+        saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
+    ):
+        raise FlagError(
+            f"--eval_only: --run_dir {cfg.run_dir} holds no checkpoint to evaluate; expected the directory of "
+            "a run that saved one (or --init_from_hf)"
+        )
 
 
 def open_run_dir(run: Run) -> None:
@@ -804,8 +822,6 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError(f"--num_slices {cfg.num_slices}: goes with --topology (a real run finds its slices)")
     if cfg.dry_run and cfg.eval_only:
         raise FlagError("--dry_run and --eval_only: choose one")
-    if cfg.eval_only:
-        check_eval_only(cfg)
     if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
     try:  # the head layout must fit the preset's width, and released weights must be the preset's model
@@ -814,21 +830,6 @@ def check(cfg: TrainConfig) -> None:
             ckpt.check_hf_model(cfg.init_from_hf, model, cfg.preset)
     except ValueError as e:
         raise FlagError(str(e)) from None
-
-
-def check_eval_only(cfg: TrainConfig) -> None:
-    """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
-    weights would print a loss that means nothing)."""
-    if not cfg.eval_data:
-        raise FlagError("--eval_only needs held-out data: set --eval_data")
-    saved = Path(cfg.run_dir) / "checkpoints"
-    if not cfg.init_from_hf and not (
-        saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
-    ):
-        raise FlagError(
-            f"--eval_only: --run_dir {cfg.run_dir} holds no checkpoint to evaluate; expected the directory of "
-            "a run that saved one (or --init_from_hf)"
-        )
 
 
 # Bad usage (exit 2): a flag's value, or flags that do not fit the run directory's checkpoints. What stops a
