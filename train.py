@@ -669,10 +669,14 @@ def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
                 log_step(run, *pending, meter)
                 pending = None
                 meter.pause()  # saving and evaluating are not training: no step's tokens/s counts them
-                if do_save:  # first: an evaluation that fails cannot cost the step (close() commits it)
+                try:  # evaluated first: a run killed mid-save retakes the step, its evaluation too
+                    if do_eval:
+                        evaluate(run, step, model)
+                except BaseException:  # the step is good, its evaluation is not: keep the step, then stop
                     save(run, step, model, opt, key)
-                if do_eval:
-                    evaluate(run, step, model)
+                    raise
+                if do_save:
+                    save(run, step, model, opt, key)
                 meter.resume()
             if stop:
                 say(f"saved step {step}; exiting for the preemption")

@@ -703,7 +703,9 @@ def test_tokens_per_s_is_the_rate_of_the_steps_it_covers_across_saves_evals_and_
         assert max(rates) < 4 * np.median(rates) and min(rates) > np.median(rates) / 4, rates
 
 
-def test_an_evaluation_that_fails_keeps_the_save_of_its_step(tiny_data, tmp_path, monkeypatch):
+@pytest.mark.parametrize("ckpt_every", [2, 100], ids=["a-save-step", "not-a-save-step"])
+def test_an_evaluation_that_fails_keeps_its_step(ckpt_every, tiny_data, tmp_path, monkeypatch):
+    """The step is saved before the evaluation's error stops the run, whether or not it was due a save."""
     import ckpt
 
     def fail(run, step, model):
@@ -713,10 +715,10 @@ def test_an_evaluation_that_fails_keeps_the_save_of_its_step(tiny_data, tmp_path
     cfg = dataclasses.replace(
         train.PRESETS["tiny"],
         seq_len=64,
-        steps=2,
+        steps=4,
         data_root=str(tiny_data),
         run_dir=str(tmp_path / "run"),
-        ckpt_every=2,
+        ckpt_every=ckpt_every,
         eval_every=2,
         samples=0,
     )
