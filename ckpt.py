@@ -573,26 +573,40 @@ class MetricsLog:
 
 
 class Progress:
-    """The progress bar, and tokens/s over the last 20 steps, timed where each step's numbers arrive. Evals
-    and saves pause training, so the window restarts after them; until it holds two times again, the
-    previous rate stands. Step 1's rate includes the compilation."""
+    """The progress bar, and tokens/s: the steps of the last 20 over the training time they took, on a clock
+    that runs from before a step is dispatched to when its numbers arrive and stops while the run saves or
+    evaluates (pause, resume), so that no step's rate counts those; waiting for data does count. The first
+    step (after a start or a resume, so with the compilation) is timed alone, and later windows start after
+    it. Times are taken where the loop reads a step's numbers, one step behind the dispatch: over a window,
+    the steps' times add up to the time the window took."""
 
     def __init__(self, start: int, steps: int, tokens_per_step: int):
         lead = jax.process_index() == 0
         self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
-        self.tokens_per_step, self.times, self.rate = tokens_per_step, deque([time.perf_counter()], 21), 0.0
+        self.tokens_per_step, self.rate = tokens_per_step, 0.0
+        self.trained, self.since = 0.0, time.perf_counter()  # seconds trained before `since`, when it resumed
+        self.times, self.first = deque([0.0], 21), True  # the clock at the window's start and at each step
+
+    def clock(self) -> float:
+        """Seconds spent training so far (saves and evaluations left out)."""
+        return self.trained + (0.0 if self.since is None else time.perf_counter() - self.since)
 
     def tick(self, loss: float) -> float:
         """A step's numbers arrived: move the bar on, showing its loss. Returns tokens/s."""
-        self.times.append(time.perf_counter())
-        if len(self.times) > 1:
-            self.rate = self.tokens_per_step * (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        self.times.append(self.clock())
+        elapsed = max(self.times[-1] - self.times[0], 1e-9)
+        self.rate = self.tokens_per_step * (len(self.times) - 1) / elapsed
+        if self.first:  # the compilation stays in the first step's rate alone
+            self.times, self.first = deque([self.times[-1]], 21), False
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.rate:,.0f}")
         return self.rate
 
-    def restart(self) -> None:
-        self.times.clear()
+    def pause(self) -> None:
+        self.trained, self.since = self.clock(), None
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
 
 
 def plot_losses(run_dir: Path) -> None:

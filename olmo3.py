@@ -168,7 +168,7 @@ class Olmo3Config:
         group = self.n_heads // self.n_kv_heads
         if heads * head_dim != self.n_heads * self.head_dim or heads % group:
             raise ValueError(
-                f"with_heads(heads={heads}, head_dim={head_dim}): expected heads x head_dim = "
+                f"{heads} heads x head_dim {head_dim}: expected heads x head_dim = "
                 f"{self.n_heads * self.head_dim} (n_heads x head_dim), heads a multiple of {group} "
                 "(n_heads / n_kv_heads)"
             )

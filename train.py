@@ -1,5 +1,5 @@
 """Stage 1 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train step,
-and the run, whose loop is the last thing in the file.
+the run (its steps, its loop, main), and last the command line.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
     python train.py --preset 7b --data mix.txt --data_root /mnt/olmo-data --run_dir runs/7b
@@ -48,16 +48,16 @@ class FlagError(ValueError):
     """Bad usage: train.py prints it as one line and exits with code 2."""
 
 
-def flag(default, recipe=False, low=None, above=None, high=None, choices=None):
+def flag(default, in_recipe=False, low=None, above=None, high=None, choices=None):
     """A TrainConfig field and the values it accepts: at least `low`, more than `above`, at most `high`, one
-    of `choices`. A recipe field changes the numbers a run computes, so a resume must match it (or be given
+    of `choices`. A recipe field (in_recipe) changes the numbers a run computes, so a resume must match it (or be given
     --allow_config_change); the others (mesh, microbatch, intervals) may change freely."""
     bounds = [(op, b) for op, b in ((">=", low), (">", above), ("<=", high)) if b is not None]
-    return dataclasses.field(default=default, metadata=dict(recipe=recipe, bounds=bounds, choices=choices))
+    return dataclasses.field(default=default, metadata=dict(recipe=in_recipe, bounds=bounds, choices=choices))
 
 
 def recipe(default, **accepts):
-    return flag(default, recipe=True, **accepts)
+    return flag(default, in_recipe=True, **accepts)
 
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
@@ -65,8 +65,11 @@ COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """The run: every field is a flag, and its comment (with the comment lines right below it) its --help."""
+
     preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
+
     # data (data_dtype first: below, the field `data` hides the module in this class body)
     data_dtype: str = flag("", choices=("", *data.DATA_DTYPES))  # token files' dtype; default: from the vocab
     data: str = ""  # token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"
@@ -77,6 +80,7 @@ class TrainConfig:
     global_batch: int = recipe(512, low=1)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
     seed: int = recipe(34521)  # data order: OLMo-core's PCG64(seed + epoch) permutation
     init_seed: int = recipe(0)  # model init (torch's init cannot be reproduced bit for bit: --init_from_hf)
+
     # optimizer: OLMo-core's SkipStepAdamW
     lr: float = recipe(3e-4, above=0)  # peak learning rate
     warmup_steps: int = recipe(2000, low=0)  # linear from 0
@@ -93,12 +97,14 @@ class TrainConfig:
     z_loss: float = recipe(1e-5, low=0)
     repeat_filter: int = recipe(0, low=0)  # drop instances repeating 1-13 tokens this often in a row; 0: off
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
+
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
     compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
     microbatch: int = flag(0, low=0)  # instances per device per forward/backward; 0 = the device's share
     loss_chunk: int = flag(0, low=0)  # positions per chunk of the fused loss; 0 = the whole sequence
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
     mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,tensor=1; one axis may be -1 ("the rest")
+
     # run
     run_dir: str = "runs/7b"
     ckpt_every: int = flag(1000, low=1)
@@ -119,7 +125,8 @@ class TrainConfig:
     process_id: int = flag(-1, low=-1)
     heartbeat_timeout: int = flag(100, low=1)  # seconds a process may go silent before the others stop
 
-    def __post_init__(self):  # each field within what it accepts, as olmo3.Compute checks its own
+    def __post_init__(self):
+        """Each field within what it accepts (as olmo3.Compute checks its own), however the config is made."""
         for f in dataclasses.fields(self):
             value, bounds = getattr(self, f.name), f.metadata.get("bounds", [])
             if not all(COMPARE[op](value, bound) for op, bound in bounds):
@@ -127,7 +134,8 @@ class TrainConfig:
                 accepted = " and ".join(f"{op} {b}" for op, b in bounds)
                 raise FlagError(f"--{f.name} {value}: expected {kind} {accepted}")
             if (choices := f.metadata.get("choices")) and value not in choices:
-                raise FlagError(f"--{f.name} {value!r}: expected one of {', '.join(choices)}")
+                accepted = ", ".join(c or "'' (the default)" for c in choices)
+                raise FlagError(f"--{f.name} {value!r}: expected one of {accepted}")
         if self.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.head_layout):
             raise FlagError(f"--head_layout {self.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
         shard.parse_mesh(self.mesh, None)  # ValueError naming --mesh
@@ -172,88 +180,6 @@ PRESETS = {
     ),
 }
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
-
-
-def flags() -> dict[str, tuple[dataclasses.Field, str]]:
-    """Every flag: its field and the comment that field carries in the source. Compute's fields are flags."""
-    out = {}
-    for cls in (TrainConfig, olmo3.Compute):
-        comments = dict(re.findall(r"^\s+(\w+): [^=]+=.*?  # (.*)$", inspect.getsource(cls), re.MULTILINE))
-        out |= {f.name: (f, comments.get(f.name, "")) for f in dataclasses.fields(cls) if f.name != "compute"}
-    return out
-
-
-def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
-    if name in olmo3.Compute.__dataclass_fields__:
-        return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, **{name: value}))
-    return dataclasses.replace(cfg, **{name: value})
-
-
-BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    """`--preset NAME` picks the base; every other flag then sets one field: `--name value`, `--name=value`,
-    or a bare `--name` for a boolean's true. A bad field is refused as it is set; `check` then refuses what
-    spans fields."""
-    known, pairs, args = flags(), [], list(argv)
-    if {"-h", "--help"} & set(args):
-        defaults = dataclasses.asdict(PRESETS["7b"]) | dataclasses.asdict(PRESETS["7b"].compute)
-        print(
-            f"usage: python train.py [--preset {'|'.join(PRESETS)}] [--FLAG VALUE ...]; each flag sets one "
-            "field of the preset. Flags and the 7b preset's values:",
-            *(f"  --{k:<20} {defaults[k]!r:<14} {doc}" for k, (_, doc) in known.items()),
-            sep="\n",
-        )
-        raise SystemExit(0)
-    while args:
-        arg = args.pop(0)
-        name, eq, value = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or name not in known:
-            close = ", ".join("--" + c for c in difflib.get_close_matches(name, known, n=3))
-            raise FlagError(f"unknown flag {arg}; " + (f"did you mean {close}?" if close else "see --help"))
-        if not eq and args and not args[0].startswith("--"):
-            value, eq = args.pop(0), "="
-        elif not eq and known[name][0].type is not bool:
-            raise FlagError(f"--{name} needs a value")
-        pairs.append((name, value if eq else "true"))
-    if (cfg := PRESETS.get(preset := dict(pairs).get("preset", "7b"))) is None:
-        raise FlagError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
-    for name, value in pairs:
-        kind = known[name][0].type
-        try:
-            if kind is bool and value.lower() not in BOOLS:
-                raise ValueError(value)
-            cfg = with_flag(cfg, name, BOOLS[value.lower()] if kind is bool else kind(value))
-        except ValueError as e:  # a value of the wrong type, or one olmo3.Compute refuses
-            expected = "true or false" if kind is bool else kind.__name__
-            raise FlagError(
-                str(e) if str(e).startswith("--") else f"--{name} {value!r}: expected {expected}"
-            ) from None
-    return cfg
-
-
-def check(cfg: TrainConfig) -> None:
-    """Refuse what no single field can, before anything is compiled or written (TrainConfig and olmo3.Compute
-    refuse a bad field when it is set): FlagError names the flags, the values and what would be accepted."""
-    if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
-        raise FlagError(
-            f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
-        )
-    if cfg.topology and not cfg.dry_run:
-        raise FlagError(f"--topology {cfg.topology}: devices that exist only for the compiler; add --dry_run")
-    if cfg.num_slices > 1 and not cfg.topology:
-        raise FlagError(f"--num_slices {cfg.num_slices}: goes with --topology (a real run finds its slices)")
-    if cfg.dry_run and cfg.eval_only:
-        raise FlagError("--dry_run and --eval_only: choose one")
-    if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
-        raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
-    try:  # the head layout must fit the preset's width, and released weights must be the preset's model
-        model = model_config(cfg)
-        if cfg.init_from_hf:
-            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.preset)
-    except ValueError as e:
-        raise FlagError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -346,10 +272,10 @@ def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], targeted: Bool[Array, "*#n"]):
+def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], mask: Bool[Array, "*#n"]):
     """The loss, in one place: summed CE and summed logsumexp^2 over the targeted positions."""
     ce, lse = cross_entropy(logits, targets)
-    return jnp.where(targeted, ce, 0).sum(), jnp.where(targeted, lse * lse, 0).sum()
+    return jnp.where(mask, ce, 0).sum(), jnp.where(mask, lse * lse, 0).sum()
 
 
 def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
@@ -470,7 +396,8 @@ def microbatches(cfg: TrainConfig, mesh) -> int:
 
 # ---------------------------------------------------------------------------------------------------------
 # The run, in named steps: start the devices, set up (data, run directory, restore or initialise), take a
-# step, log it, evaluate, save. The loop that calls them is main(), at the end of the file.
+# step, log it, evaluate, save. The loop that calls them, train(), and main() follow; the command line
+# comes last.
 
 
 def say(*args) -> None:
@@ -520,35 +447,53 @@ class Run:
     loader: data.TokenLoader
     eval_loader: data.TokenLoader | None
     tokenizer_path: str | None
-    checkpoints: ckpt.Checkpoints
-    log: ckpt.MetricsLog
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
+    checkpoints: ckpt.Checkpoints | None = None  # these two open the run directory: open_run_dir
+    log: ckpt.MetricsLog | None = None
 
 
 def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int) -> Run:
-    """Data and run directory. Batch i of the loader is a pure function of (seed, i); step s trains on
-    batch s - 1."""
-    run_dir = Path(cfg.run_dir)
+    """The data, refusing --steps beyond it (or, with --eval_only, a run with nothing to evaluate); nothing is
+    written yet, so a refused run leaves no run directory.
+    Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1."""
     files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
-    vocab = model_cfg.vocab_size
+    vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
-    kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=run_dir / "data")
+    kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
-    if cfg.steps > loader.num_batches:
+    eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
+    if cfg.eval_only:
+        check_eval_only(cfg, eval_loader)
+    elif cfg.steps > loader.num_batches:
         raise FlagError(
             f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
             f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
         )
-    eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
     data.check_tokens(eval_files, vocab, dtype)  # held-out files are small: every id, before step 1
-    if cfg.eval_only and eval_loader is None:
-        raise FlagError("--eval_only needs held-out data: set --eval_data")
-    checkpoints = ckpt.Checkpoints(run_dir, cfg.keep_last, cfg.keep_every)
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
-    log = ckpt.MetricsLog(run_dir, jax.process_index() == 0, cfg.tensorboard)
-    return Run(
-        cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, checkpoints, log, meta
-    )
+    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, meta)
+
+
+def check_eval_only(cfg: TrainConfig, eval_loader: data.TokenLoader | None) -> None:
+    """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
+    weights would print a loss that means nothing, for a run directory mistyped)."""
+    if eval_loader is None:
+        raise FlagError("--eval_only needs held-out data: set --eval_data")
+    saved = Path(cfg.run_dir) / "checkpoints"
+    if not cfg.init_from_hf and not (
+        saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
+    ):
+        raise FlagError(
+            f"--eval_only: --run_dir {cfg.run_dir} holds no checkpoint to evaluate; expected the directory of "
+            "a run that saved one (or --init_from_hf)"
+        )
+
+
+def open_run_dir(run: Run) -> None:
+    """The run directory's checkpoints and metrics log, once the run holds its lock (this makes the
+    directory, if it is new)."""
+    run.checkpoints = ckpt.Checkpoints(run.cfg.run_dir, run.cfg.keep_last, run.cfg.keep_every)
+    run.log = ckpt.MetricsLog(Path(run.cfg.run_dir), jax.process_index() == 0, run.cfg.tensorboard)
 
 
 def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute):
@@ -568,10 +513,11 @@ def restore_or_init(run: Run):
     shard.check_rules(model_like, mesh)
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
     key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
-    check = lambda meta: ckpt.check_resume(
+    refuse_mismatch = lambda meta: ckpt.check_resume(
         meta, run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
-    restored = run.checkpoints.restore_latest(model_like, {"opt": opt_like, "key": key_like}, check=check)
+    like = {"opt": opt_like, "key": key_like}
+    restored = run.checkpoints.restore_latest(model_like, like, check=refuse_mismatch)
     key = jax.random.key(cfg.init_seed)
     if restored:
         step, model, state, _ = restored
@@ -696,7 +642,54 @@ def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The run itself.
+# The run itself: the loop, then main(), which puts the run together.
+
+
+def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
+    """Steps start + 1 ... --steps, saving and evaluating on the way: (the model, whether a preemption
+    stopped it early). Step k + 1 is dispatched before step k's numbers are read, so the host never keeps
+    the devices waiting."""
+    cfg = run.cfg
+    prefetch = read_batches(run, start)
+    batches = iter(prefetch)
+    meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            _, (batch, keep, batch_hash, filtered), wait = next(batches)
+            model, opt, metrics = take_step(run, step, model, opt, batch, keep)
+            if pending:  # read the previous step's numbers while this one runs
+                log_step(run, *pending, meter)
+            run.checkpoints.check()  # a failed background save stops the run here
+            pending = (step, metrics, wait, batch_hash, filtered)
+            stop = preemption.requested(step, run.checkpoints)
+            do_eval = run.eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+            do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
+            # Never evaluate or checkpoint a state whose loss was not checked; and the first step compiles,
+            # so its numbers are read at once: its time is its own, not the next step's too.
+            if do_eval or do_save or step == start + 1:
+                log_step(run, *pending, meter)
+                pending = None
+                meter.pause()  # saving and evaluating are not training: no step's tokens/s counts them
+                try:  # evaluated first: a run killed mid-save retakes the step, its evaluation too
+                    if do_eval:
+                        evaluate(run, step, model)
+                except BaseException:  # the step is good, its evaluation is not: keep the step, then stop
+                    save(run, step, model, opt, key)
+                    raise
+                if do_save:
+                    save(run, step, model, opt, key)
+                meter.resume()
+            if stop:
+                say(f"saved step {step}; exiting for the preemption")
+                break
+    except BaseException:
+        run.checkpoints.close(failing=True)  # an in-flight save of a good step still commits
+        raise
+    finally:
+        prefetch.close()
+        meter.bar.close()
+    return model, stop
 
 
 def main(cfg: TrainConfig) -> int:
@@ -706,53 +699,146 @@ def main(cfg: TrainConfig) -> int:
     announce(cfg, mesh, model_cfg, compute)
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, n_micro, target)
+    run = set_up(cfg, mesh, model_cfg, compute, n_micro)
+    trains, stopped = False, False
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
-        run = set_up(cfg, mesh, model_cfg, compute, n_micro)
+        open_run_dir(run)
         start, model, opt, key = restore_or_init(run)
         run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
-        if cfg.eval_only or start >= cfg.steps:
-            evaluate(run, start, model) if cfg.eval_only else say(f"run already complete: step {start}")
-            return run.checkpoints.close() or 0
-        ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
-        prefetch = read_batches(run, start)
-        batches = iter(prefetch)
-        meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
-        try:
-            for step in range(start + 1, cfg.steps + 1):
-                _, (batch, keep, batch_hash, filtered), wait = next(batches)
-                model, opt, metrics = take_step(run, step, model, opt, batch, keep)
-                if pending:  # read the previous step's numbers while this one runs
-                    log_step(run, *pending, meter)
-                run.checkpoints.check()  # a failed background save stops the run here
-                pending = (step, metrics, wait, batch_hash, filtered)
-                stop = preemption.requested(step, run.checkpoints)
-                do_eval = run.eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
-                do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
-                if do_eval or do_save:  # never evaluate or checkpoint a state whose loss was not checked
-                    log_step(run, *pending, meter)
-                    pending = None
-                    if do_eval:
-                        evaluate(run, step, model)
-                    if do_save:
-                        save(run, step, model, opt, key)
-                    meter.restart()  # they paused training: tokens/s counts again from here
-                if stop:
-                    say(f"saved step {step}; exiting for the preemption")
-                    break
-        except BaseException:
-            run.checkpoints.close(failing=True)  # an in-flight save of a good step still commits
-            raise
-        finally:
-            prefetch.close()
-            meter.bar.close()
+        if cfg.eval_only:
+            evaluate(run, start, model)
+        elif start >= cfg.steps:
+            say(f"run already complete: step {start}")
+        else:
+            ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
+            trains = True
+            model, stopped = train(run, preemption, start, model, opt, key)
         run.checkpoints.close()
         run.log.close()
-    if jax.process_index() == 0 and not stop:
-        ckpt.plot_losses(Path(cfg.run_dir))
-    if cfg.samples and not stop:  # the model spans every process, so all of them sample; process 0 prints
-        print_samples(model, cfg, run.tokenizer_path)
+    if trains and not stopped:
+        if jax.process_index() == 0:
+            ckpt.plot_losses(Path(cfg.run_dir))
+        if cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
+            print_samples(model, cfg, run.tokenizer_path)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line: every field of TrainConfig (and of olmo3.Compute) is a flag, its comment its --help.
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Each field's comment in the source of `cls`: the one on its line, continued by the comment lines right
+    below it (a blank line or code ends it, so a heading for the next fields has a blank line above it)."""
+    comments, name = {}, None
+    for line in inspect.getsource(cls).splitlines():
+        if field := re.match(r"\s+(\w+): [^=]+=.*?  # (.*)$", line):
+            name, comments[field[1]] = field[1], field[2]
+        elif name and (more := re.match(r"\s+# (.*)$", line)):
+            comments[name] += " " + more[1]
+        else:
+            name = None
+    return comments
+
+
+def flags() -> dict[str, tuple[dataclasses.Field, str]]:
+    """Every flag: its field and that field's comment. Compute's fields are flags of their own."""
+    out = {}
+    for cls in (TrainConfig, olmo3.Compute):
+        comments = field_comments(cls)
+        out |= {f.name: (f, comments.get(f.name, "")) for f in dataclasses.fields(cls) if f.name != "compute"}
+    return out
+
+
+def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
+    if name in olmo3.Compute.__dataclass_fields__:
+        return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, **{name: value}))
+    return dataclasses.replace(cfg, **{name: value})
+
+
+BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
+
+
+def flag_pairs(argv: list[str], known: dict) -> list[tuple[str, str]]:
+    """(name, text) for each flag of the command line: `--name value`, `--name=value`, or a bare `--name`
+    for a boolean's true."""
+    pairs, args = [], list(argv)
+    while args:
+        arg = args.pop(0)
+        name, eq, value = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or name not in known:
+            close = ", ".join("--" + c for c in difflib.get_close_matches(name, known, n=3))
+            raise FlagError(f"unknown flag {arg}; " + (f"did you mean {close}?" if close else "see --help"))
+        if not eq and args and not args[0].startswith("--"):
+            value, eq = args.pop(0), "="
+        elif not eq and known[name][0].type is not bool:
+            raise FlagError(f"--{name} needs a value")
+        pairs.append((name, value if eq else "true"))
+    return pairs
+
+
+def print_help(known: dict, preset: str) -> None:
+    base = PRESETS[preset]
+    values = dataclasses.asdict(base) | dataclasses.asdict(base.compute)
+    print(
+        f"usage: python train.py [--preset {'|'.join(PRESETS)}] [--FLAG VALUE ...]; each flag sets one "
+        f"field of the preset. Flags and the {preset} preset's values:",
+        *(f"  --{k:<20} {values[k]!r:<14} {doc}" for k, (_, doc) in known.items()),
+        sep="\n",
+    )
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """`--preset NAME` picks the base; every other flag then sets one field. A bad value is refused as its
+    field is set (TrainConfig and olmo3.Compute check their own), here named by its flag; `check` refuses
+    what spans fields. `--help` (or -h) lists the flags with the chosen preset's values."""
+    known, helping = flags(), bool({"-h", "--help"} & set(argv))
+    pairs = flag_pairs([a for a in argv if a not in ("-h", "--help")], known)
+    if (cfg := PRESETS.get(preset := dict(pairs).get("preset", "7b"))) is None:
+        raise FlagError(f"--preset {preset!r}: expected one of {', '.join(PRESETS)}")
+    if helping:
+        print_help(known, preset)
+        raise SystemExit(0)
+    for name, value in pairs:
+        kind = known[name][0].type
+        try:
+            if kind is bool and value.lower() not in BOOLS:
+                raise ValueError(value)
+            cfg = with_flag(cfg, name, BOOLS[value.lower()] if kind is bool else kind(value))
+        except ValueError as e:  # a value of the wrong type, or one the config refuses, naming its field
+            said = str(e).removeprefix("--")
+            expected = "true or false" if kind is bool else kind.__name__
+            raise FlagError(
+                f"--{said}" if said.startswith(f"{name} ") else f"--{name} {value!r}: expected {expected}"
+            ) from None
+    return cfg
+
+
+def check(cfg: TrainConfig) -> None:
+    """Refuse what no single field can, before anything is compiled or written: FlagError names the flags,
+    the values and what would be accepted. (What needs the devices or the data is refused where they are
+    first known: start_devices, microbatches, set_up.)"""
+    if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
+        raise FlagError(
+            f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
+        )
+    if cfg.topology and not cfg.dry_run:
+        raise FlagError(f"--topology {cfg.topology}: devices that exist only for the compiler; add --dry_run")
+    if cfg.num_slices > 1 and not cfg.topology:
+        raise FlagError(f"--num_slices {cfg.num_slices}: goes with --topology (a real run finds its slices)")
+    if cfg.dry_run and cfg.eval_only:
+        raise FlagError("--dry_run and --eval_only: choose one")
+    if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
+        raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
+    try:  # the head layout must fit the preset's width
+        model = model_config(cfg)
+    except ValueError as e:
+        raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
+    try:  # released weights must be the preset's model
+        if cfg.init_from_hf:
+            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.preset)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
 
 
 # Bad usage (exit 2): a flag's value, or flags that do not fit the run directory's checkpoints. What stops a

@@ -449,7 +449,8 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
     ("--head_layout abc", "--head_layout 'abc': expected HEADSxHEAD_DIM, e.g. 16x256"),
     (
         "--head_layout 3x100",
-        "--head_layout 3x100: expected heads x head_dim = 256 with heads a multiple of 1",
+        "--head_layout 3x100: 3 heads x head_dim 100: expected heads x head_dim = 256 (n_heads x head_dim), "
+        "heads a multiple of 1",
     ),
     ("--loss_chunk 7", "--loss_chunk 7: expected a divisor of --seq_len 256 (or 0)"),
     ("--loss flash", "--loss 'flash': expected one of fused, reference"),
@@ -497,6 +498,44 @@ def test_help_lists_every_flag_with_its_default_and_comment():
         assert comment in line, line
     assert "--lr                   0.0003         peak learning rate" in out.stdout
     assert "--remat                'full'" in out.stdout
+
+
+def test_help_shows_the_chosen_preset_s_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--preset", "tiny", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "Flags and the tiny preset's values:" in out
+    assert "--seq_len              256  " in out and "--lr                   0.002  " in out, out
+
+
+@dataclasses.dataclass
+class Commented:
+    short: int = 1  # said on one line
+    long: int = 2  # said on this line
+    # and continued on the next
+    plain: int = 3
+
+    # a heading for the fields below, not a comment of `plain`
+    last: str = "x"  # the last
+
+
+def test_a_comment_continued_on_the_next_line_is_whole_in_help():
+    assert train.field_comments(Commented) == {
+        "short": "said on one line",
+        "long": "said on this line and continued on the next",
+        "last": "the last",
+    }
+
+
+def test_a_refused_value_is_named_by_its_flag_whatever_form_the_message_takes(monkeypatch):
+    def refuse(self):  # olmo3.Compute speaking of its own field, without train.py's "--"
+        if self.attention == "flash":
+            raise ValueError("attention 'flash': expected one of auto, reference")
+
+    monkeypatch.setattr(olmo3.Compute, "__post_init__", refuse)
+    with pytest.raises(train.FlagError) as e:
+        train.parse_args(["--attention", "flash"])
+    assert str(e.value) == "--attention 'flash': expected one of auto, reference"
 
 
 def test_train_step_traces_once(tiny_data, tmp_path, monkeypatch):
@@ -618,3 +657,117 @@ def test_a_nan_stops_the_run_naming_the_last_checkpoint_there_is(tmp_path):
     empty = types.SimpleNamespace(checkpoints=ckpt.Checkpoints(tmp_path / "new"))
     with pytest.raises(FloatingPointError, match=r"\(no checkpoint yet\)"):
         train.log_step(empty, 3, nan, 0.0, 0, 0, None)
+
+
+def test_tokens_per_s_is_the_rate_of_the_steps_it_covers_across_saves_evals_and_a_resume(
+    tiny_data, tmp_path, monkeypatch
+):
+    """Against the wall clock: the seconds each row accounts for (tokens / tokens_per_s) add up to the time
+    the run spent stepping (saves and evaluations left out), and no row is off by more than a few times
+    from the others (it read 1000x too high right after each save: the first step after it looked free)."""
+    calls = {}  # (start, end) of each call of these, this run
+
+    def timed(name):
+        fn = getattr(train, name)
+
+        def wrapped(*args):
+            start = time.perf_counter()
+            out = fn(*args)
+            calls.setdefault(name, []).append((start, time.perf_counter()))
+            return out
+
+        monkeypatch.setattr(train, name, wrapped)
+
+    for name in ("take_step", "log_step", "save", "evaluate"):
+        timed(name)
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"],
+        seq_len=64,
+        steps=6,
+        data_root=str(tiny_data),
+        run_dir=str(tmp_path / "run"),
+        ckpt_every=2,
+        eval_every=3,
+        eval_batches=1,
+        samples=0,
+    )
+    for start, steps in ((0, 6), (6, 12)):  # then resumed from step 6
+        calls.clear()
+        assert train.main(dataclasses.replace(cfg, steps=steps, allow_config_change=True)) == 0
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        rows = [r for r in map(json.loads, lines) if "loss" in r and r["step"] > start]
+        paused = sum(end - begin for name in ("save", "evaluate") for begin, end in calls[name])
+        stepping = calls["log_step"][-1][1] - calls["take_step"][0][0] - paused
+        accounted = sum(64 * 8 / r["tokens_per_s"] for r in rows)
+        assert 0.6 * stepping < accounted < 1.3 * stepping, (accounted, stepping, rows)
+        rates = [r["tokens_per_s"] for r in rows[1:]]  # the first step's carries the compilation
+        assert max(rates) < 4 * np.median(rates) and min(rates) > np.median(rates) / 4, rates
+
+
+@pytest.mark.parametrize("ckpt_every", [2, 100], ids=["a-save-step", "not-a-save-step"])
+def test_an_evaluation_that_fails_keeps_its_step(ckpt_every, tiny_data, tmp_path, monkeypatch):
+    """The step is saved before the evaluation's error stops the run, whether or not it was due a save."""
+    import ckpt
+
+    def fail(run, step, model):
+        raise data.DataError(f"step {step}: the held-out data is bad")
+
+    monkeypatch.setattr(train, "evaluate", fail)
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"],
+        seq_len=64,
+        steps=4,
+        data_root=str(tiny_data),
+        run_dir=str(tmp_path / "run"),
+        ckpt_every=ckpt_every,
+        eval_every=2,
+        samples=0,
+    )
+    with pytest.raises(data.DataError, match="step 2: the held-out data is bad"):
+        train.main(cfg)
+    assert ckpt.Checkpoints(tmp_path / "run", read_only=True).steps() == [2]
+
+
+def refused(capsys, *argv) -> str:
+    """train.py's one line for a command refused as bad usage (exit 2)."""
+    assert train.cli(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_eval_only_on_a_run_directory_without_a_checkpoint_is_refused_and_creates_nothing(
+    tiny_data, tmp_path, capsys
+):
+    typo = tmp_path / "rnu"
+    err = refused(
+        capsys, "--preset", "tiny", "--eval_only", "--run_dir", str(typo), "--data_root", str(tiny_data)
+    )
+    assert err == (
+        f"error: --eval_only: --run_dir {typo} holds no checkpoint to evaluate; expected the directory of a run "
+        "that saved one (or --init_from_hf)"
+    )
+    assert not typo.exists()
+
+
+def test_eval_only_without_held_out_data_says_so_first(tiny_data, tmp_path, capsys):
+    train_file = str(tiny_data / "train" / "part-00000.npy")
+    argv = ["--preset", "tiny", "--data", train_file, "--eval_only", "--steps", "1000000"]
+    err = refused(capsys, *argv, "--run_dir", str(tmp_path / "run"))
+    assert err == "error: --eval_only needs held-out data: set --eval_data"
+
+
+def test_a_run_refused_before_it_starts_leaves_no_run_directory(tiny_data, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = [
+        "--preset",
+        "tiny",
+        "--data_root",
+        str(tiny_data),
+        "--steps",
+        "1000000",
+        "--run_dir",
+        str(run_dir),
+    ]
+    assert refused(capsys, *argv).startswith("error: --steps 1000000: the data holds ")
+    assert not run_dir.exists()
