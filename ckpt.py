@@ -84,10 +84,10 @@ class RunLock:
         if jax.process_index() == 0:
             try:
                 self._take(job)
-            except RunDirBusy as e:
+            except RunDirError as e:  # every process stops, not only process 0
                 error = e
         if many and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
-            raise error or RunDirBusy(
+            raise error or RunDirError(
                 f"{self.path.parent}: process 0 could not take the run directory's lock"
             )
         if error:
@@ -197,13 +197,14 @@ def log_error(run_dir, what: str, e: BaseException) -> None:
 
 @contextlib.contextmanager
 def errors_logged(run_dir, unless: tuple = ()):
-    """Log (log_error) every error that stops the run inside, and let it go on: where RUN_DIR exists (nothing
-    is created for it), and not for `unless` (bad usage, refused before the run starts) nor a RunDirError (a
-    directory this process may not write to)."""
+    """Log (log_error) every error that stops the run inside, and let it go on: where RUN_DIR holds a run
+    (its config.json; nothing is created to hold a log, and a first run refused before it starts leaves the
+    directory as it found it), and not for `unless` (bad usage) nor a RunDirError (a directory this process
+    may not write to)."""
     try:
         yield
     except Exception as e:
-        if not isinstance(e, (RunDirError, *unless)) and Path(run_dir).is_dir():
+        if not isinstance(e, (RunDirError, *unless)) and (Path(run_dir) / "config.json").is_file():
             log_error(run_dir, "the run stopped", e)
         raise
 

@@ -229,20 +229,20 @@ def test_a_run_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
     assert (tmp_path / "file").read_text() == "notes"
 
 
-def test_errors_that_stop_a_run_are_logged_where_the_run_directory_exists(tmp_path):
+def test_errors_that_stop_a_run_are_logged_where_the_run_directory_holds_a_run(tmp_path):
     def stop(error, run_dir, unless=()):
         with pytest.raises(type(error)), ckpt.errors_logged(run_dir, unless):
             raise error
 
+    stop(ValueError("bad data at token 7"), tmp_path)  # before the run was accepted: no config.json yet
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "config.json").write_text("{}")
     stop(ValueError("bad data at token 7"), tmp_path)
-    assert "ValueError: bad data at token 7" in (tmp_path / "log.txt").read_text()
-    assert "Traceback" in (tmp_path / "log.txt").read_text()
+    log = (tmp_path / "log.txt").read_text()
+    assert "ValueError: bad data at token 7" in log and "Traceback" in log
     stop(KeyError("usage"), tmp_path, unless=(KeyError,))  # refused before the run starts: not its story
     stop(ckpt.RunDirBusy("in use by another process"), tmp_path)  # another process's directory
-    assert (
-        "usage" not in (tmp_path / "log.txt").read_text()
-        and "in use" not in (tmp_path / "log.txt").read_text()
-    )
+    assert (tmp_path / "log.txt").read_text() == log
     stop(ValueError("typo"), tmp_path / "typo")
     assert not (tmp_path / "typo").exists()  # nothing is created to hold a log
 

@@ -437,10 +437,10 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
 def test_a_run_dir_that_is_or_lies_under_a_file_is_refused_in_one_line(env, tiny_data, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    for run_dir, says in [(blocker, "is a file"), (blocker / "run", "cannot create it")]:
+    for run_dir, says in [(blocker, " is a file"), (blocker / "run", ": cannot create it (Not a directory)")]:
         out = run(env, run_dir, tiny_data)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-        assert out.stderr.strip().splitlines()[-1].startswith(f"error: --run_dir {run_dir} {says}")
+        assert out.stderr.strip().splitlines()[-1].startswith(f"error: --run_dir {run_dir}{says}")
     assert blocker.read_text() == "not a directory"
 
 
