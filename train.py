@@ -111,9 +111,7 @@ class TrainConfig:
     topology: str = ""  # with --dry_run: compile for a TPU slice (v5p-512, v6e:16x16) or GPU host (h200x8)
     num_slices: int = flag(1, low=1)  # with --topology: that many slices (or GPU hosts), joined by DCN
     allow_config_change: bool = False  # resume although the recipe changed (e.g. more steps, a new schedule)
-    start_over: bool = (
-        False  # train from step 0 where every checkpoint was found corrupt (else the run stops)
-    )
+    start_over: bool = False  # train from step 0 if every checkpoint is corrupt (else the run stops)
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
     samples: int = flag(0, low=0)  # lines of text to sample at the end
     coordinator: str = ""  # multi-host outside TPU VMs / known clusters: host:port of process 0
