@@ -326,7 +326,8 @@ class TokenLoader:
             np.uint32
         )
 
-    def _batch_indices(self, i: int) -> np.ndarray:
+    def batch_indices(self, i: int) -> np.ndarray:
+        """The instances of batch i (0-indexed), in the global order."""
         if not 0 <= i < self.num_batches:
             raise IndexError(
                 f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
@@ -336,11 +337,11 @@ class TokenLoader:
 
     def global_batch(self, i: int) -> np.ndarray:
         """Batch i (0-indexed: OLMo-core's step i+1) as uint32[global_batch_size, seq_len]."""
-        return self._rows(self._batch_indices(i))
+        return self._rows(self.batch_indices(i))
 
     def local_batch(self, i: int, rank: int, world: int) -> np.ndarray:
         """The rows of batch i that OLMo-core gives data-parallel rank `rank` of `world`."""
-        return self._rows(self._batch_indices(i)[self.row_ids(rank, world)])
+        return self._rows(self.batch_indices(i)[self.row_ids(rank, world)])
 
     def _rows(self, instances: np.ndarray) -> np.ndarray:
         rows = np.stack([self.instance(int(j)) for j in instances])
@@ -436,8 +437,8 @@ class Prefetcher:
     def __init__(self, fetch: Callable, start: int, stop: int, put: Callable, depth: int = 2):
         self.start, self.stop = start, stop
         self._queue, self._closed = queue.Queue(maxsize=depth), threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(fetch, put), daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, args=(fetch, put), daemon=True)
+        self.thread.start()
 
     def _put(self, item):
         while not self._closed.is_set():  # a timeout, so close() can stop a thread waiting on a full queue
@@ -463,7 +464,7 @@ class Prefetcher:
 
     def close(self):
         self._closed.set()
-        self._thread.join()
+        self.thread.join()
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,7 @@ class TrainConfig:
     topology: str = ""  # with --dry_run: compile for a TPU slice (v5p-512, v6e:16x16) or GPU host (h200x8)
     num_slices: int = flag(1, low=1)  # with --topology: that many slices (or GPU hosts), joined by DCN
     allow_config_change: bool = False  # resume although the recipe changed (e.g. more steps, a new schedule)
+    start_over: bool = False  # train from step 0 if every checkpoint is corrupt (else the run stops)
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
     samples: int = flag(0, low=0)  # lines of text to sample at the end
     coordinator: str = ""  # multi-host outside TPU VMs / known clusters: host:port of process 0
@@ -517,7 +518,9 @@ def restore_or_init(run: Run):
         meta, run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
     like = {"opt": opt_like, "key": key_like}
-    restored = run.checkpoints.restore_latest(model_like, like, check=refuse_mismatch)
+    restored = run.checkpoints.restore_latest(
+        model_like, like, check=refuse_mismatch, start_over=cfg.start_over
+    )
     key = jax.random.key(cfg.init_seed)
     if restored:
         step, model, state, _ = restored
@@ -842,16 +845,19 @@ def check(cfg: TrainConfig) -> None:
 
 
 # Bad usage (exit 2): a flag's value, or flags that do not fit the run directory's checkpoints. What stops a
-# run (exit 1): a failed save, bad data, a NaN, a busy run directory. Either is one line naming the cause.
+# run (exit 1): a failed save, no readable checkpoint, bad data, a NaN, a run directory busy or unwritable.
+# Either is one line naming the cause.
 USAGE = (FlagError, ckpt.ResumeRefused)
-STOPS = (ckpt.CheckpointError, ckpt.RunDirBusy, data.DataError, FloatingPointError, FileNotFoundError)
+STOPS = (ckpt.CheckpointError, ckpt.RunDirError, data.DataError, FloatingPointError, FileNotFoundError)
 
 
 def cli(argv: list[str]) -> int:
     """main() from the command line: bad usage exits 2 and a run stopped by what it found exits 1, each with
     one line naming the cause; anything else is a bug and keeps its traceback."""
     try:
-        return main(parse_args(argv))
+        cfg = parse_args(argv)
+        with ckpt.errors_logged(cfg.run_dir, unless=USAGE):  # the full story in RUN_DIR/log.txt
+            return main(cfg)
     except (*USAGE, *STOPS) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, USAGE) else 1

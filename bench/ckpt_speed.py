@@ -59,12 +59,12 @@ def main():
         print(f"{i:>5} {blocked:>10.2f} {total:>12.2f} {nbytes / 2**30 / total:>7.2f}")
     saver.close()
     like_state = (
-        {"opt": jax.tree.map(ckpt._abstract, eqx.filter(state["opt"], eqx.is_array))}
-        if args.moments
-        else None
+        {"opt": ckpt.on_first_device(eqx.filter(state["opt"], eqx.is_array))} if args.moments else None
     )
     t0 = time.perf_counter()
-    restored, _, _ = ckpt.Checkpoints(root).read(args.repeats, ckpt._abstract_model(cfg), like_state)
+    restored, _, _ = ckpt.Checkpoints(root).read(
+        args.repeats, ckpt.on_first_device(olmo3.abstract(cfg)), like_state
+    )
     jax.block_until_ready(restored)
     print(f"restore with checksums verified: {time.perf_counter() - t0:.2f} s")
     if args.dir is None:

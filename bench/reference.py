@@ -17,7 +17,7 @@ its own HF exporter and ckpt.load_hf; we train with train.train_step on data.Tok
 Compared per step: the hash of the batch each side trained on, LR, loss (CE + z-loss), grad norm and skip,
 judged through --horizon (all steps by default): rounding differences grow with training, and once the two
 runs have parted (as each trainer parts from itself started one ulp away: `parted`) the trained models are
-judged instead. At the end, with `ckpt.compare` on held-out text (`held_out_sets`: training instances no run
+judged instead. At the end, with `compare.compare` on held-out text (`held_out_sets`: training instances no run
 reached, and the held-out plays at the training context and at a long one): OLMo-core's trained model
 against ours in fp32 and in bf16 (loss, top-1 agreement, distinct predictions, KL, each token's loss);
 --noise N: each trainer N more times from initial weights a few ulps away (NUDGES), each trainer's own
@@ -45,6 +45,7 @@ from unittest import mock
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import compare  # bench/compare.py, beside this file
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -340,7 +341,7 @@ def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
 
 
 def olmo_core_side(model):
-    """OLMo-core's model, through its own forward in fp32, as one side of `ckpt.compare`."""
+    """OLMo-core's model, through its own forward in fp32, as one side of `compare.compare`."""
 
     @torch.no_grad()
     def logits(tokens: np.ndarray, chunk: int):
@@ -381,7 +382,7 @@ def held_out_sets(args, files, out: Path, vocab: int) -> list[dict]:
     unseen = out / "unseen-instances" / "000.npy"
     unseen.parent.mkdir(parents=True, exist_ok=True)
     rows = np.concatenate([loader.global_batch(i) for i in batches])  # the loader gives uint32
-    rows.astype(data.dtype_for_vocab(vocab)).tofile(unseen)  # the dtype `ckpt.compare` reads these ids as
+    rows.astype(data.dtype_for_vocab(vocab)).tofile(unseen)  # the dtype `compare.compare` reads these ids as
     plays = dict(text="held-out plays", files=files["val"], bar=False)
     return [
         dict(
@@ -397,7 +398,7 @@ def held_out_sets(args, files, out: Path, vocab: int) -> list[dict]:
 
 
 def read_on(s: dict, ref, cand) -> dict:
-    return ckpt.compare(ref, cand, s["files"], s["length"], s["tokens"])
+    return compare.compare(ref, cand, s["files"], s["length"], s["tokens"])
 
 
 # Trained models are read with the kernel train.py runs on a CPU: "local" computes the sliding layers in
@@ -408,8 +409,8 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def our_side(model, dtype: str = "float32"):
-    """Our model as one side of `ckpt.compare`, computing in `dtype` with READ_KERNEL."""
-    return ckpt.model_side(model.using(olmo3.Compute(dtype, READ_KERNEL)), shard.make_mesh("tensor=1"))
+    """Our model as one side of `compare.compare`, computing in `dtype` with READ_KERNEL."""
+    return compare.model_side(model.using(olmo3.Compute(dtype, READ_KERNEL)), shard.make_mesh("tensor=1"))
 
 
 def held_out(ours, reference, s: dict) -> dict:
@@ -451,9 +452,9 @@ def runs_apart(e: dict, n: dict | None) -> dict:
 
 def same_weights(hf: Path, sets: list[dict]) -> list[dict]:
     """Our trained weights, exported to `hf`, through transformers (fp32, the reference) and through our model
-    in fp32 and in bf16, on each held-out set: the checker, `ckpt.py compare`, on a model that has learned."""
-    ref = cached(ckpt.side(f"transformers:{hf}"))
-    cands = {"fp32": ckpt.side(str(hf), READ_KERNEL), "bf16": ckpt.side(f"{hf}:bf16", READ_KERNEL)}
+    in fp32 and in bf16, on each held-out set: the checker, `bench/compare.py`, on a model that has learned."""
+    ref = cached(compare.side(f"transformers:{hf}"))
+    cands = {"fp32": compare.side(str(hf), READ_KERNEL), "bf16": compare.side(f"{hf}:bf16", READ_KERNEL)}
     return [
         {"text": s["text"], "length": s["length"]}
         | {name: read_on(s, ref, cand) for name, cand in cands.items()}

@@ -518,7 +518,7 @@ def test_prefetcher_order_wait_and_errors():
     p = data.Prefetcher(fetch, 0, 1000, put)  # closing early stops the thread
     next(iter(p))
     p.close()
-    assert not p._thread.is_alive()
+    assert not p.thread.is_alive()
 
 
 def one_line_error(capsys, code: int = 1) -> str:

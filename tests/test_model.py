@@ -2,7 +2,6 @@
 brute-force NumPy attention, and OLMo-core's model configs."""
 
 import dataclasses
-import json
 
 import equinox as eqx
 import jax
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from hf_models import FULL, SLIDING, hf_logits, make_hf, markov_tokens, train_briefly
-from transformers import Olmo3ForCausalLM
 
 import ckpt
 import olmo3
@@ -74,28 +72,6 @@ def test_bf16_compute_top1_agreement(tmp_path):
     agreement = (ours.argmax(-1) == hf_logits(hf, ids).argmax(-1)).mean()
     print(f"bf16 top-1 agreement with fp32 transformers: {agreement:.4f}")
     assert agreement >= 0.99
-
-
-def test_hf_round_trip(tmp_path):
-    hf = make_hf(tmp_path / "in", heads=8, kv_heads=2, vocab=1000, yarn=YARN)
-    model = ckpt.load_hf(tmp_path / "in")
-    ckpt.save_hf(model, tmp_path / "out", shard_bytes=200_000)  # several shards and an index
-    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
-    back = Olmo3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
-    ids = tokens(vocab=1000)
-    np.testing.assert_array_equal(hf_logits(back, ids), hf_logits(hf, ids))
-    assert back.config.rope_parameters[FULL]["rope_type"] == "yarn"
-
-
-def test_round_trip_of_our_own_init_single_file(tmp_path):
-    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=4, vocab_size=8000)
-    model = olmo3.Olmo3(cfg, key=jax.random.key(1))
-    ckpt.save_hf(model, tmp_path / "hf")
-    assert (tmp_path / "hf" / "model.safetensors").exists()
-    hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
-    ids = tokens(vocab=8000)
-    ours = np.asarray(jax.vmap(model)(jnp.asarray(ids)))[..., :8000]
-    assert rel_err(ours, hf_logits(hf, ids)) <= 1e-5
 
 
 def brute_force_attention(q, k, v, window):
@@ -301,75 +277,3 @@ def test_greedy_sampling_matches_transformers_generate(tmp_path):
     np.testing.assert_array_equal(np.asarray(ours), theirs)
     top1 = olmo3.sample(model, jnp.asarray(prompt[0]), 10, key=jax.random.key(3), temperature=1.0, top_k=1)
     np.testing.assert_array_equal(np.asarray(top1), theirs)  # top-k with k=1 is greedy
-
-
-# ---- bad input to load_hf / save_hf: errors that name the key and leave nothing half-written
-
-
-def edit_config(path, **changes):
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(changes)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def test_load_hf_rejects_other_model_types(tmp_path):
-    make_hf(tmp_path)
-    edit_config(tmp_path, model_type="llama")
-    with pytest.raises(ValueError, match="model_type is 'llama', expected 'olmo3'"):
-        ckpt.load_hf(tmp_path)
-
-
-def test_load_hf_rejects_unsupported_rope(tmp_path):
-    make_hf(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["rope_parameters"][FULL] = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="rope_type 'linear' on full_attention"):
-        ckpt.load_hf(tmp_path)
-
-
-def rewrite_weights(path, edit):
-    from safetensors.numpy import load_file, save_file
-
-    tensors = load_file(path / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-
-
-def test_load_hf_names_missing_extra_and_misshapen_tensors(tmp_path):
-    make_hf(tmp_path)
-    rewrite_weights(tmp_path, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.2.mlp.up_proj.weight'\]"):
-        ckpt.load_hf(tmp_path)
-    make_hf(tmp_path / "b")
-    rewrite_weights(
-        tmp_path / "b", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})
-    )
-    with pytest.raises(ValueError, match="unexpected tensors.*q_proj.bias"):
-        ckpt.load_hf(tmp_path / "b")
-    make_hf(tmp_path / "c")
-    rewrite_weights(
-        tmp_path / "c",
-        lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}),
-    )
-    with pytest.raises(ValueError, match=r"k_proj.weight has shape \[32, 64\], expected \[64, 64\]"):
-        ckpt.load_hf(tmp_path / "c")
-
-
-def test_save_hf_never_leaves_a_complete_looking_directory(tmp_path, monkeypatch):
-    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
-    (tmp_path / "taken").mkdir()
-    (tmp_path / "taken" / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty"):
-        ckpt.save_hf(model, tmp_path / "taken")
-    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
-
-    import safetensors.numpy
-
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
-    with pytest.raises(OSError, match="No space"):
-        ckpt.save_hf(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()

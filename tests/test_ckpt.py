@@ -1,0 +1,450 @@
+"""ckpt.py: Orbax checkpoints (checksums, restores onto another mesh, failed saves, the walk back past corrupt
+ones), the run directory (lock, log.txt), Hugging Face conversion against transformers, and the command line.
+Kill-and-resume through train.py is tests/test_resume.py's."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import FULL, hf_logits, make_hf
+from transformers import Olmo3ForCausalLM
+
+import ckpt
+import data
+import olmo3
+import shard
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+YARN = {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
+SMALL = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=2, layer_types=(olmo3.SLIDING, olmo3.FULL))
+
+
+def tokens(n=40, vocab=300, seed=0, batch=2):
+    return np.random.default_rng(seed).integers(0, vocab, (batch, n))
+
+
+def rel_err(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+def ckpt_cli(*args):
+    return subprocess.run(
+        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def largest_file(path: Path) -> Path:
+    return max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def truncate(step_dir):
+    f = largest_file(step_dir / "model")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def flip_byte(step_dir):
+    f = largest_file(step_dir / "train")
+    data_ = bytearray(f.read_bytes())
+    data_[len(data_) // 2] ^= 0x40
+    f.write_bytes(bytes(data_))
+
+
+def saved_run(run_dir, tiny_data, steps=(9, 12)):
+    """A run directory as train.py leaves it, written here: the SMALL model and a stand-in optimizer state at
+    `steps`, the tiny tokenizer beside them. Returns the model."""
+    model = olmo3.Olmo3(SMALL, key=jax.random.key(1))
+    state = {"mu": jax.random.normal(jax.random.key(2), (256, 256))}
+    meta = {"model": ckpt.config_to_hf(SMALL), "config": {"tokenizer": "tiny"}}
+    saver = ckpt.Checkpoints(run_dir)
+    for step in steps:
+        saver.save(step, model, state, meta)
+    saver.close()
+    shutil.copy(tiny_data / "tokenizer.json", Path(run_dir) / "tokenizer.json")
+    return model
+
+
+def tree(path: Path) -> dict:
+    """Every file and folder under path, with its bytes and modification time: to check a command wrote nothing."""
+    return {
+        p: (p.read_bytes() if p.is_file() else None, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))
+    }
+
+
+# ---- Orbax checkpoints
+
+
+@pytest.mark.slow
+def test_restore_onto_another_mesh_is_bitwise(tmp_path):
+    cfg = train.PRESETS["tiny"]
+    mcfg = olmo3.PRESETS["tiny"]
+    abstract = olmo3.abstract(mcfg)
+    abstract_opt = eqx.filter_eval_shape(train.init_opt, abstract, cfg)
+
+    def on(mesh_spec):
+        mesh = shard.make_mesh(mesh_spec)
+        return shard.shardings(abstract, mesh), shard.shardings(abstract_opt, mesh)
+
+    model_sh, opt_sh = on("fsdp=4,tensor=2")
+    model = eqx.filter_jit(lambda k: eqx.filter_shard(olmo3.Olmo3(mcfg, key=k), model_sh))(jax.random.key(3))
+    opt = train.init_opt(model, cfg)
+    opt = dataclasses.replace(opt, mu=jax.tree.map(lambda w: w * 0.5, eqx.filter(model, eqx.is_array)))
+    opt = eqx.filter_shard(opt, opt_sh)
+    saver = ckpt.Checkpoints(tmp_path)
+    saver.save(5, model, {"opt": opt}, {"note": "8 devices"})
+    saver.close()
+    for spec in ["fsdp=4", "data=1", "tensor=2"]:
+        m_sh, o_sh = on(spec)
+        like_model = shard.abstract(abstract, m_sh)
+        like_opt = shard.abstract(abstract_opt, o_sh)
+        got_model, got_train, meta = ckpt.Checkpoints(tmp_path).read(5, like_model, {"opt": like_opt})
+        assert meta["note"] == "8 devices"
+        for a, b in zip(
+            jax.tree.leaves((model, opt)), jax.tree.leaves((got_model, got_train["opt"])), strict=True
+        ):
+            if isinstance(a, jax.Array):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), spec
+                assert b.sharding.mesh.size == shard.make_mesh(spec).size
+
+
+def test_checksums_do_not_depend_on_sharding():
+    x = jax.random.normal(jax.random.key(0), (64, 32))
+    mesh = shard.make_mesh("fsdp=8")
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp")))
+    assert int(ckpt.checksums(x)) == int(ckpt.checksums(sharded))
+    y = np.asarray(x).copy()
+    y.reshape(-1).view(np.uint8)[100] ^= 1  # one flipped bit
+    assert int(ckpt.checksums(jax.numpy.asarray(y))) != int(ckpt.checksums(x))
+
+
+def test_a_failed_save_is_removed_even_when_another_of_its_writers_comes_late(tmp_path, monkeypatch):
+    """Orbax reports a save's first failing item while another may still be writing, which makes its folders
+    again: as the optimizer state's writer can after the model's has failed (seen in CI, rarely)."""
+    saver = ckpt.Checkpoints(tmp_path)
+    late = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp" / "train.orbax-checkpoint-tmp" / "d"
+
+    def write_late():
+        time.sleep(0.3)
+        late.mkdir(parents=True)
+        (late / "part").write_bytes(b"x" * 1000)
+
+    def fails():
+        raise OSError("File too large")
+
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp" / "model").mkdir(parents=True)
+    writer = threading.Thread(target=write_late)
+    writer.start()
+    saver.saving = 6  # save 6 is in flight, and its background write has failed
+    monkeypatch.setattr(saver.manager, "wait_until_finished", fails)
+    with pytest.raises(
+        ckpt.CheckpointError, match="saving checkpoint 6 to .* failed: OSError: File too large"
+    ):
+        saver.wait()
+    writer.join()
+    assert not list((tmp_path / "checkpoints").glob("6.orbax-checkpoint-tmp*"))
+    monkeypatch.undo()
+    saver.close()
+
+
+def test_keep_last_below_two_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="keep at least 2"):
+        ckpt.Checkpoints(tmp_path, keep_last=1)
+
+
+def test_late_orbax_reports_go_to_the_log_and_any_other_is_printed(tmp_path, capsys, monkeypatch):
+    # A damaged checkpoint fails one read; Orbax's other read coroutines are collected later and Python
+    # reports each (it happens under load, so it is simulated here): the one-line summary stands alone.
+    from orbax.checkpoint._src.serialization import serialization
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+
+    class Ours:
+        def __del__(self):
+            raise ValueError("ours")
+
+    Ours()  # Python reports the error in __del__ as unraisable: the hook's real argument type
+    (ours,) = seen
+    coroutine = type("Coroutine", (), {"cr_code": serialization._read_array_index_and_device_put.__code__})
+    error = ValueError("OUT_OF_RANGE: Error reading embed_tokens")
+    orbax_read = type(ours)((ValueError, error, None, None, coroutine()))
+    ckpt.Checkpoints(tmp_path).close()  # a writing Checkpoints sends Orbax's detail to RUN_DIR/log.txt
+    log = tmp_path / "log.txt"
+    sys.unraisablehook(orbax_read)
+    assert capsys.readouterr().err == "" and "OUT_OF_RANGE" in log.read_text()
+    sys.unraisablehook(ours)
+    assert "ours" in capsys.readouterr().err and "ours" not in log.read_text()
+
+
+def test_every_checkpoint_corrupt_is_refused_unless_starting_over(tmp_path, tiny_data, capsys):
+    saved_run(tmp_path, tiny_data)
+    for step in (9, 12):
+        truncate(tmp_path / "checkpoints" / str(step))
+    like = ckpt.on_first_device(olmo3.abstract(SMALL))
+    with pytest.raises(ckpt.NoValidCheckpoint) as refused:
+        ckpt.Checkpoints(tmp_path).restore_latest(like)
+    quarantined = sorted(p.name for p in (tmp_path / "quarantined").iterdir())
+    assert [q.split("-")[0] for q in quarantined] == ["12", "9"]  # set aside, never deleted
+    assert all(q in str(refused.value) for q in quarantined) and "--start_over" in str(refused.value)
+    assert capsys.readouterr().err.count("is corrupt") == 2
+    with pytest.raises(ckpt.NoValidCheckpoint):  # the next start finds none either: it refuses again
+        ckpt.Checkpoints(tmp_path).restore_latest(like)
+    assert ckpt.Checkpoints(tmp_path).restore_latest(like, start_over=True) is None
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_one_before(tmp_path, tiny_data):
+    model = saved_run(tmp_path, tiny_data)
+    flip_byte(tmp_path / "checkpoints" / "12")
+    step, got, _, _ = ckpt.Checkpoints(tmp_path).restore_latest(
+        ckpt.on_first_device(olmo3.abstract(SMALL)), {"mu": ckpt.on_first_device(jnp.zeros((256, 256)))}
+    )
+    assert step == 9
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(model), strict=True)
+    )
+
+
+# ---- the run directory
+
+
+def test_a_run_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "file").write_text("notes")
+    with (
+        pytest.raises(ckpt.RunDirError, match=f"--run_dir {tmp_path / 'file'} is a file"),
+        ckpt.RunLock(tmp_path / "file"),
+    ):
+        pass
+    with pytest.raises(ckpt.RunDirError, match="cannot create it"), ckpt.RunLock(tmp_path / "file" / "run"):
+        pass
+    assert (tmp_path / "file").read_text() == "notes"
+
+
+def test_errors_that_stop_a_run_are_logged_where_the_run_directory_holds_a_run(tmp_path):
+    def stop(error, run_dir, unless=()):
+        with pytest.raises(type(error)), ckpt.errors_logged(run_dir, unless):
+            raise error
+
+    stop(ValueError("bad data at token 7"), tmp_path)  # before the run was accepted: no config.json yet
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "config.json").write_text("{}")
+    stop(ValueError("bad data at token 7"), tmp_path)
+    log = (tmp_path / "log.txt").read_text()
+    assert "ValueError: bad data at token 7" in log and "Traceback" in log
+    stop(KeyError("usage"), tmp_path, unless=(KeyError,))  # refused before the run starts: not its story
+    stop(ckpt.RunDirBusy("in use by another process"), tmp_path)  # another process's directory
+    assert (tmp_path / "log.txt").read_text() == log
+    stop(ValueError("typo"), tmp_path / "typo")
+    assert not (tmp_path / "typo").exists()  # nothing is created to hold a log
+
+
+# ---- Hugging Face conversion
+
+
+def test_hf_round_trip(tmp_path):
+    hf = make_hf(tmp_path / "in", heads=8, kv_heads=2, vocab=1000, yarn=YARN)
+    model = ckpt.load_hf(tmp_path / "in")
+    ckpt.save_hf(model, tmp_path / "out", shard_bytes=200_000)  # several shards and an index
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    back = Olmo3ForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    ids = tokens(vocab=1000)
+    np.testing.assert_array_equal(hf_logits(back, ids), hf_logits(hf, ids))
+    assert back.config.rope_parameters[FULL]["rope_type"] == "yarn"
+
+
+def test_round_trip_of_our_own_init_single_file(tmp_path):
+    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=4, vocab_size=8000)
+    model = olmo3.Olmo3(cfg, key=jax.random.key(1))
+    ckpt.save_hf(model, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").exists()
+    hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = tokens(vocab=8000)
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(ids)))[..., :8000]
+    assert rel_err(ours, hf_logits(hf, ids)) <= 1e-5
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_load_hf_rejects_other_model_types(tmp_path):
+    make_hf(tmp_path)
+    edit_config(tmp_path, model_type="llama")
+    with pytest.raises(ValueError, match="model_type is 'llama', expected 'olmo3'"):
+        ckpt.load_hf(tmp_path)
+
+
+def test_load_hf_rejects_unsupported_rope(tmp_path):
+    make_hf(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"][FULL] = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope_type 'linear' on full_attention"):
+        ckpt.load_hf(tmp_path)
+
+
+def rewrite_weights(path, edit):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_load_hf_names_missing_extra_and_misshapen_tensors(tmp_path):
+    make_hf(tmp_path)
+    rewrite_weights(tmp_path, lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensors \['model.layers.2.mlp.up_proj.weight'\]"):
+        ckpt.load_hf(tmp_path)
+    make_hf(tmp_path / "b")
+    rewrite_weights(
+        tmp_path / "b", lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)})
+    )
+    with pytest.raises(ValueError, match="unexpected tensors.*q_proj.bias"):
+        ckpt.load_hf(tmp_path / "b")
+    make_hf(tmp_path / "c")
+    rewrite_weights(
+        tmp_path / "c",
+        lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((32, 64), np.float32)}),
+    )
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \[32, 64\], expected \[64, 64\]"):
+        ckpt.load_hf(tmp_path / "c")
+
+
+def damaged_hf_dirs(root: Path) -> dict[str, tuple[Path, str]]:
+    """HF directories each damaged one way: (directory, the file the error must name and what it must say)."""
+    out = {}
+    for name in ("not_json", "no_fields", "truncated"):
+        make_hf(root / name)
+    (root / "not_json" / "config.json").write_text('{"model_type": "olmo3", "vocab_')
+    out["not_json"] = (root / "not_json", f"{root / 'not_json' / 'config.json'}: not valid JSON")
+    config = json.loads((root / "no_fields" / "config.json").read_text())
+    (root / "no_fields" / "config.json").write_text(
+        json.dumps({k: config[k] for k in ("model_type", "vocab_size")})
+    )
+    out["no_fields"] = (root / "no_fields", f"{root / 'no_fields' / 'config.json'}: no hidden_size")
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 1000])
+    out["truncated"] = (root / "truncated", f"{weights}: not a readable safetensors file")
+    return out
+
+
+def test_a_damaged_hf_directory_is_named_in_one_line(tmp_path):
+    for hf_dir, says in damaged_hf_dirs(tmp_path).values():
+        with pytest.raises(ValueError) as refused:
+            ckpt.load_hf(hf_dir)
+        assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+        with pytest.raises(ValueError) as refused:  # train.py --init_from_hf checks before anything compiles
+            ckpt.check_hf_model(str(hf_dir), olmo3.PRESETS["tiny"], "tiny")
+        assert str(refused.value).startswith(f"--init_from_hf {hf_dir}: {says}")
+
+
+def test_save_hf_never_leaves_a_complete_looking_directory(tmp_path, monkeypatch):
+    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        ckpt.save_hf(model, tmp_path / "taken")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+    import safetensors.numpy
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        ckpt.save_hf(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ---- the command line: list, to-hf, from-hf
+
+
+@pytest.mark.slow
+def test_list_shows_steps_and_validity_and_writes_nothing(tiny_data, tmp_path):
+    run_dir = tmp_path / "run"
+    saved_run(run_dir, tiny_data)
+    before = tree(run_dir)
+    out = ckpt_cli("list", run_dir)
+    assert out.returncode == 0, out.stderr
+    assert [line.split()[0] for line in out.stdout.splitlines()[1:]] == ["9", "12"]
+    assert tree(run_dir) == before  # read-only: no probe file, no lock, no log
+    # On a read-only mount (a mount namespace of its own), where a write would fail: the same listing.
+    readonly = (
+        f"mount --bind {run_dir} {run_dir} && mount -o remount,ro,bind {run_dir} && "
+        f"! touch {run_dir}/x 2>/dev/null && {sys.executable} ckpt.py list {run_dir}"
+    )
+    mounted = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", readonly], cwd=ROOT, capture_output=True, text=True
+    )
+    if "mount" not in mounted.stderr:  # (no private mounts here: skip this part)
+        assert mounted.returncode == 0 and mounted.stdout == out.stdout, mounted.stderr[-2000:]
+    flip_byte(run_dir / "checkpoints" / "9")
+    truncate(run_dir / "checkpoints" / "12")
+    out = ckpt_cli("list", run_dir)
+    assert out.returncode == 1 and "NO: checksum mismatch in train" in out.stdout
+    assert f"{12:>10}" in out.stdout and "NO: arrays unreadable: " in out.stdout
+    lines = (out.stdout + out.stderr).strip().splitlines()  # a line each, no pages of TensorStore detail
+    assert len(lines) <= 4 and not any("Traceback" in line or len(line) > 400 for line in lines), lines
+
+
+def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_path):
+    for args in [("list", tmp_path / "typo"), ("to-hf", tmp_path / "typo", tmp_path / "out")]:
+        out = ckpt_cli(*args)
+        assert out.returncode == 1
+        assert (
+            out.stderr.strip()
+            == f"error: {tmp_path / 'typo' / 'checkpoints'} does not exist: is {tmp_path / 'typo'} "
+            "a run directory?"
+        ), out.stderr
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    out = ckpt_cli("to-hf", tmp_path / "empty", tmp_path / "out")
+    assert out.returncode == 1 and out.stderr.strip() == (
+        f"error: {tmp_path / 'empty' / 'checkpoints'} has no checkpoint (steps: [])"
+    ), out.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["checkpoints", "empty"]
+
+
+@pytest.mark.slow
+def test_to_hf_exports_what_transformers_loads_with_its_tokenizer(tiny_data, tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    ours = saved_run(tmp_path / "run", tiny_data)
+    flip_byte(tmp_path / "run" / "checkpoints" / "12")  # the newest is corrupt: the one before is exported
+    out = ckpt_cli("to-hf", tmp_path / "run", tmp_path / "hf")
+    assert out.returncode == 0, out.stderr
+    assert "wrote step 9" in out.stdout and "checkpoint 12 is corrupt" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["12", "9"]  # reads only
+    hf = Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = np.random.default_rng(0).integers(0, SMALL.vocab_size, (1, 50))
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.as_tensor(ids)).logits.numpy()[0]
+    mine = np.asarray(ours(jax.numpy.asarray(ids[0])))[:, : SMALL.vocab_size]
+    assert np.abs(mine - theirs).max() / np.abs(theirs).max() < 1e-5
+    # The run's own tokenizer travels with the weights (the tiny preset's, trained on Shakespeare).
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = data.tiny_plays()["val"][0][:5000]
+    assert tokenizer(text)["input_ids"] == data.get_tokenizer(
+        "tiny", str(tiny_data / "tokenizer.json")
+    ).encode(text)
+    assert tokenizer.eos_token_id == SMALL.eos_token_id
+
+
+def test_from_hf_names_a_damaged_directory_in_one_line_and_writes_nothing(tmp_path):
+    for name, (hf_dir, says) in damaged_hf_dirs(tmp_path).items():
+        out = ckpt_cli("from-hf", hf_dir, tmp_path / f"run-{name}")
+        assert out.returncode == 1 and out.stderr.strip().startswith(f"error: {says}"), out.stderr[-2000:]
+        assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / f"run-{name}").exists()
