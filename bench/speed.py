@@ -389,6 +389,10 @@ def determinism(args):
         tcfg = train.PRESETS["tiny"]
         mcfg = train.model_config(tcfg)
     tokens = tcfg.global_batch * tcfg.seq_len
+    print(
+        f"\ndeterminism: two fresh runs of {mcfg.n_layers} layers, batch {tcfg.global_batch} x {tcfg.seq_len}"
+    )
+    header()
     runs = [
         alone(
             f"determinism run {i + 1}",
