@@ -18,6 +18,7 @@ def bench(script: str, *args: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_speed_cpu_comparison_prints_both_systems_the_ratio_and_determinism():
     out = bench("speed.py", "--preset", "tiny", "--steps", "1")
     for line in ["system ", "olmo3-jax train_step (tiny preset) ", "transformers Olmo3 eager (sdpa), fp32 "]:
@@ -44,7 +45,7 @@ def test_data_speed_prints_every_row():
     out = bench("data_speed.py", "--small")
     table = out[out.index("what ") :].splitlines()
     names = [line.split(" | ")[0].strip() for line in table[2:-1]]
-    assert len(names) == 14 and names[0] == "TokenLoader.global_batch, 64 x 8192, page cache cold", table
+    assert len(names) == 13 and names[0] == "TokenLoader.global_batch, 64 x 8192, page cache cold", table
     assert table[-1].startswith("peak memory of this process: ")
 
 
