@@ -2,6 +2,7 @@
 
     python bench/ckpt_speed.py                    # a 1.0B-parameter model: the 1b preset cut to 9 layers
     python bench/ckpt_speed.py --moments           # ... with its Adam moments too (12 GB of state)
+    python bench/ckpt_speed.py --preset tiny --layers 1 --repeats 1 --moments   # smallest: a check
 
 `blocked` is the time Checkpoints.save holds the loop: per-array checksums on the device, then Orbax's
 copy to host; the write itself goes on in the background until `committed`. `restore` reads the newest
@@ -29,19 +30,24 @@ import train  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=9, help="layers of the 1b preset (9: 1.01B parameters)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--preset", default="1b", choices=list(olmo3.PRESETS), help="the model cut to --layers"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=9, help="layers of the preset (1b, 9: 1.01B parameters)"
+    )
     parser.add_argument("--moments", action="store_true", help="save the Adam moments too (3x the bytes)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
 
     cfg = dataclasses.replace(
-        olmo3.PRESETS["1b"], n_layers=args.layers, layer_types=(olmo3.FULL,) * args.layers
+        olmo3.PRESETS[args.preset], n_layers=args.layers, layer_types=(olmo3.FULL,) * args.layers
     )
     model = eqx.filter_jit(olmo3.Olmo3)(cfg, key=jax.random.key(0))
     params = olmo3.count_params(model)
-    state = {"opt": train.init_opt(model, train.PRESETS["1b"])} if args.moments else None
+    state = {"opt": train.init_opt(model, train.PRESETS[args.preset])} if args.moments else None
     nbytes = sum(x.nbytes for x in jax.tree.leaves(eqx.filter((model, state), eqx.is_array)))
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-speed-"))
     print(

@@ -3,6 +3,7 @@ the tokenizers.
 
 python bench/data_speed.py           # about 2 minutes on 2 CPU cores; writes ~600 MB to a temp folder
 python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
+python bench/data_speed.py --small   # every row at a small size, seconds: a check that it runs through
 """
 
 import argparse
@@ -23,6 +24,13 @@ import data
 
 SEQ, BATCH = 8192, 64  # the 7B run's sequence, and 64 of its 512 rows: one host's share at 8 hosts
 OLMO3_INSTANCES = 512 * 1_413_814  # at least this many instances in OLMo-mix-0625-official
+# What each row measures at: tokens per file (6 files), batches read cold, rows hashed, instances permuted,
+# plays encoded (None: all 38), copies of them tokenized. --small runs the same code on SMALL, which measures
+# nothing.
+SIZE = dict(
+    file_tokens=25_000_000, batches=20, hash_rows=(64, 512), instances=100_000_000, plays=None, copies=4
+)
+SMALL = dict(file_tokens=1_000_000, batches=2, hash_rows=(64,), instances=1_000_000, plays=2, copies=1)
 
 
 def timed(fn, *args, repeat=1):
@@ -33,20 +41,20 @@ def timed(fn, *args, repeat=1):
     return (time.perf_counter() - t) / repeat, out
 
 
-def loader_speed(folder, rows):
+def loader_speed(folder, rows, size):
     """Batches/s of global_batch with the files evicted from the page cache (cold), then cached (warm)."""
     rng = np.random.default_rng(0)
     paths = []
     for k in range(6):  # 6 files x 25M uint32 tokens = 600 MB, lengths not multiples of SEQ
         paths.append(os.path.join(folder, f"{k:06d}.npy"))
-        rng.integers(0, 100278, 25_000_000 + 977 * k, dtype=np.uint32).tofile(paths[-1])
+        rng.integers(0, 100278, size["file_tokens"] + 977 * k, dtype=np.uint32).tofile(paths[-1])
     loader = data.TokenLoader(paths, SEQ, BATCH, seed=0, vocab_size=100278)
     for p in paths:  # evict: the first reads come from the disk
         fd = os.open(p, os.O_RDONLY)
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    n = 20
+    n = size["batches"]
     cold, _ = timed(lambda: [loader.global_batch(i) for i in range(n)])  # batches 0..19 from the disk
     for p in paths:  # warm: every file in the page cache
         with open(p, "rb") as f:
@@ -65,7 +73,7 @@ def loader_speed(folder, rows):
             )
         )
     batch = loader.global_batch(0)
-    for b in (64, 512):
+    for b in size["hash_rows"]:
         seconds, _ = timed(data.batch_hash, np.tile(batch, (b // BATCH, 1)), repeat=5)
         rows.append((f"batch_hash, {b} x {SEQ}", f"{seconds * 1e3:.1f} ms"))
         # The 32B's instance filter (OLMo-core's, periods 1-13, 32 repeats) on the prefetch thread: it must
@@ -89,9 +97,10 @@ def permutation_speed(n):
     return seconds, peak
 
 
-def tokenizer_speed(folder, rows):
+def tokenizer_speed(folder, rows, size):
     plays = data.tiny_plays()
-    texts = plays["train"] + plays["val"]
+    texts = (plays["train"] + plays["val"])[: size["plays"]]
+    copies = size["copies"]
     mb = sum(len(t.encode()) for t in texts) / 1e6
     tiny = data.prepare_tiny(os.path.join(folder, "tiny"))
     for name, path in (("dolma2", None), ("tiny", tiny["tokenizer"])):
@@ -107,7 +116,7 @@ def tokenizer_speed(folder, rows):
         )
         rows.append((f"{name} encode_batch (the tokenizer's own threads)", f"{mb / batch:.1f} MB/s"))
     srcs = []
-    for copy in range(4):  # 152 documents, 21 MB: enough for num_proc to matter
+    for copy in range(copies):  # 4 copies of all: 152 documents, 21 MB, enough for num_proc to matter
         for k, text in enumerate(texts):
             srcs.append(os.path.join(folder, "txt", f"{copy}-{k:02d}.txt"))
             os.makedirs(os.path.dirname(srcs[-1]), exist_ok=True)
@@ -117,8 +126,8 @@ def tokenizer_speed(folder, rows):
         seconds, _ = timed(data.tokenize, srcs, os.path.join(folder, f"out{num_proc}"), "dolma2", num_proc)
         rows.append(
             (
-                f"tokenize(.txt, dolma2, num_proc={num_proc}), {4 * mb:.0f} MB end to end",
-                f"{4 * mb / seconds:.1f} MB/s ({seconds:.1f} s)",
+                f"tokenize(.txt, dolma2, num_proc={num_proc}), {copies * mb:.0f} MB end to end",
+                f"{copies * mb / seconds:.1f} MB/s ({seconds:.1f} s)",
             )
         )
 
@@ -128,11 +137,13 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--full", action="store_true", help="build the permutation at the real mix's size")
+    parser.add_argument("--small", action="store_true", help="every row at a small size (a check)")
     args = parser.parse_args()
+    size = SMALL if args.small else SIZE
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        loader_speed(folder, rows)
-        for n in [100_000_000] + [OLMO3_INSTANCES] * args.full:
+        loader_speed(folder, rows, size)
+        for n in [size["instances"]] + [OLMO3_INSTANCES] * args.full:
             seconds, peak = permutation_speed(n)
             rows.append(
                 (
@@ -141,20 +152,20 @@ if __name__ == "__main__":
                 )
             )
         if not args.full:
-            scale = OLMO3_INSTANCES / 100_000_000
+            scale = OLMO3_INSTANCES / size["instances"]
             rows.append(
                 (
                     f"global_indices({OLMO3_INSTANCES:,}), extrapolated",
                     f"~{seconds * scale:.0f} s, ~{peak * scale / 1e9:.1f} GB",
                 )
             )
-        n = 100_000_000
+        n = size["instances"]
         data.global_indices(n, 1, 1).tofile(os.path.join(folder, "perm.npy"))
         seconds, _ = timed(
             lambda: int(np.memmap(os.path.join(folder, "perm.npy"), np.uint32, "r").sum(dtype=np.uint64))
         )
         rows.append((f"permutation cache check (sum of {n:,} uint32, page cache warm)", f"{seconds:.2f} s"))
-        tokenizer_speed(folder, rows)
+        tokenizer_speed(folder, rows, size)
     width = max(len(name) for name, _ in rows)
     print(f"{'what':<{width}} | result\n{'-' * width}-|-------")
     for name, result in rows:

@@ -2,8 +2,10 @@
 
     python bench/speed.py --preset tiny        # 2-core CPU: the tiny preset's shape and batch, fp32
     python bench/speed.py --gpu                # one GPU: 8 layers at 7B width, then the full 7B, plus levers
-    python bench/speed.py --gpu --only levers  # just the lever table
+    python bench/speed.py --gpu --only levers  # just the lever table (or 8layers, 7b, determinism)
     python bench/speed.py --gpu --small        # the GPU code path at a CPU's size: does it run through?
+    python bench/speed.py --steps 1            # smallest: the CPU comparison timed over one step (a check)
+    python bench/speed.py --gpu --small --only determinism   # smallest GPU path: one 4-layer model, twice
     python bench/speed.py --gpu --only 7b --profile /tmp/prof   # + where the 7B step's time goes, by kind
 
 Prints one row per system (tokens/s, MFU, peak memory, compile time) and lines beginning `ratio`.
@@ -28,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import ckpt  # noqa: E402
 import olmo3  # noqa: E402
 import shard  # noqa: E402
 import train  # noqa: E402
@@ -41,7 +44,7 @@ PROFILE_DIR = None  # --profile
 
 
 def report(name, tokens, step_s, compile_s, mcfg, seq, peak_mem, loss, note=""):
-    peak = train.peak_flops(jax.devices()[0])
+    peak = shard.peak_flops(jax.devices()[0])
     tps = tokens / step_s
     mfu = tps * mcfg.flops_per_token(seq) / peak if peak else None
     row = dict(
@@ -100,22 +103,14 @@ def hf_step(mcfg, seq, batch, compiled=False, bf16=False, checkpointing=False):
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    # Our config as an exported config.json states it, on our padded vocabulary: the same FLOPs on both sides.
     cfg = Olmo3Config(
-        vocab_size=mcfg.padded_vocab,
-        hidden_size=mcfg.d_model,
-        intermediate_size=mcfg.mlp_hidden,
-        num_hidden_layers=mcfg.n_layers,
-        num_attention_heads=mcfg.n_heads,
-        num_key_value_heads=mcfg.n_kv_heads,
-        layer_types=list(mcfg.layer_types),
-        sliding_window=mcfg.sliding_window,
-        max_position_embeddings=seq,
-        rms_norm_eps=1e-6,
+        **{**ckpt.config_to_hf(mcfg), "vocab_size": mcfg.padded_vocab, "max_position_embeddings": seq}
     )
     torch.manual_seed(0)
     model = Olmo3ForCausalLM._from_config(cfg, attn_implementation="sdpa").to(dev)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.config.use_cache = False
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=dev == "cuda"
@@ -349,6 +344,8 @@ def gpu_comparison(args):
         )
     if args.only in ("all", "levers"):
         levers(args)
+    if args.only in ("all", "determinism"):
+        determinism(args)
 
 
 def levers(args):
@@ -392,6 +389,10 @@ def determinism(args):
         tcfg = train.PRESETS["tiny"]
         mcfg = train.model_config(tcfg)
     tokens = tcfg.global_batch * tcfg.seq_len
+    print(
+        f"\ndeterminism: two fresh runs of {mcfg.n_layers} layers, batch {tcfg.global_batch} x {tcfg.seq_len}"
+    )
+    header()
     runs = [
         alone(
             f"determinism run {i + 1}",
@@ -410,15 +411,17 @@ def determinism(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="tiny", help="tiny: the CPU comparison")
+    parser.add_argument("--preset", default="tiny", choices=["tiny"], help="tiny: the CPU comparison")
     parser.add_argument("--gpu", action="store_true", help="the H200 shapes")
     parser.add_argument(
         "--small", action="store_true", help="with --gpu: the same code at a CPU's size (a check)"
     )
-    parser.add_argument("--only", default="all", choices=["all", "8layers", "7b", "levers"])
+    parser.add_argument(
+        "--only", default="all", choices=["all", "8layers", "7b", "levers", "determinism"], help="with --gpu"
+    )
     parser.add_argument("--accumulate", type=int, default=8, help="microbatches per step for the full 7B")
     parser.add_argument("--compile", action="store_true", help="also torch.compile on CPU (slow to compile)")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps of the CPU comparison")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument(
         "--nondeterministic",
@@ -434,6 +437,6 @@ if __name__ == "__main__":
         gpu_comparison(args)
     else:
         cpu_comparison(args)
-    determinism(args)
+        determinism(args)
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1))

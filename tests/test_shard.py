@@ -467,39 +467,3 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     assert "resuming from" in lead and "(step 2)" in lead
     same = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows]
     assert same(metrics(killed)) == same(got)  # every step once, bitwise
-
-
-# ---- the dry run
-
-
-def test_dry_run_prints_the_memory_table_per_device(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    args = ["--preset", "tiny", "--dry_run", "--mesh", "fsdp=-1", "--run_dir", str(tmp_path)]
-    out = subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    table = out.stdout[out.stdout.index("dry run:") :]
-    assert (
-        "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per"
-        in table
-    )
-    rows = {
-        line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")
-    }
-    assert list(rows) == [
-        "parameters (fp32)",
-        "optimizer state (fp32)",
-        "batch",
-        "activations + temporaries",
-        "generated code",
-        "total",
-    ]  # (a CPU device states no memory limit)
-    n_params = 7_606_528  # the tiny preset; each device holds an eighth (and the norm weights whole)
-    assert rows["parameters (fp32)"] == pytest.approx(n_params * 4 / 8 / 2**30, abs=1e-3)
-    assert rows["optimizer state (fp32)"] == pytest.approx(2 * rows["parameters (fp32)"], abs=2e-3)
-    assert rows["activations + temporaries"] > 0
-    assert rows["total"] >= sum(rows.values()) - rows["total"] - 1e-3
-    flops = train.model_config(train.PRESETS["tiny"]).flops_per_token(256) * 8 * 256
-    assert f"FLOPs per step: {flops:.3e}, {flops / 8:.3e} per device" in table
-    assert not (tmp_path / "checkpoints").exists()  # it only compiles

@@ -1,0 +1,58 @@
+"""Each bench script at its smallest size: it runs through and prints its table (its numbers mean nothing on
+CI's CPU, so they are not checked). bench/reference.py is run by tests/test_reference.py."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(script: str, *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_speed_cpu_comparison_prints_both_systems_the_ratio_and_determinism():
+    out = bench("speed.py", "--preset", "tiny", "--steps", "1")
+    for line in ["system ", "olmo3-jax train_step (tiny preset) ", "transformers Olmo3 eager (sdpa), fp32 "]:
+        assert f"\n{line}" in out, out
+    assert "\nratio ours/transformers-eager = " in out
+    assert "\ndeterminism: losses bitwise equal" in out, out  # the CPU's XLA ops are deterministic
+
+
+def test_speed_gpu_path_runs_through_at_a_cpu_s_size():
+    out = bench("speed.py", "--gpu", "--small", "--only", "determinism")
+    assert "\nsystem " in out and "\ndeterminism run 1 " in out and "\ndeterminism run 2 " in out, out
+    assert "\ndeterminism: losses " in out
+
+
+@pytest.mark.slow
+def test_dry_run_prints_one_row_of_its_table():
+    out = bench("dry_run.py", "--row", "tiny v5litepod-4").splitlines()
+    assert out[0].startswith("| preset | slice | flags |") and out[1].startswith("|---|")
+    row = out[2].split(" | ")
+    assert row[:3] == ["| tiny", "v5litepod-4", "preset defaults"] and row[7].startswith("fits, with"), out
+
+
+def test_data_speed_prints_every_row():
+    out = bench("data_speed.py", "--small")
+    table = out[out.index("what ") :].splitlines()
+    names = [line.split(" | ")[0].strip() for line in table[2:-1]]
+    assert len(names) == 13 and names[0] == "TokenLoader.global_batch, 64 x 8192, page cache cold", table
+    assert table[-1].startswith("peak memory of this process: ")
+
+
+def test_ckpt_speed_saves_and_restores():
+    out = bench(
+        "ckpt_speed.py", "--preset", "tiny", "--layers", "1", "--repeats", "1", "--moments"
+    ).splitlines()
+    assert out[0].startswith("state: ") and "+ Adam moments" in out[0]
+    assert out[1].split() == ["save", "blocked", "s", "committed", "s", "GiB/s"]
+    assert out[2].split()[0] == "1" and out[3].startswith("restore with checksums verified: "), out
