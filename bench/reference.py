@@ -145,14 +145,17 @@ def progress(side: str, step: int, steps: int, loss: float):
         print(f"{side}: step {step}/{steps}, loss {loss:.4f}", flush=True)
 
 
-def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
-    """OLMo-core's stage-1 recipe (OLMo-3-1025-7B-pretrain-1.py, scaled down): its trained model and records.
-    `nudge` ±k: every initial weight moved k ulps up or down, a draw of the reference's own noise."""
-    tokenizer = (
+def olmo_core_tokenizer(tok: data.Tokenizer) -> TokenizerConfig:
+    return (
         TokenizerConfig.dolma2()
         if tok.name == "dolma2"  # the tiny BPE has no padding id: OLMo-core then pads with EOS, as for GPT-2
         else TokenizerConfig(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.eos_id)
     )
+
+
+def olmo_core_module(args, tokenizer: TokenizerConfig):
+    """OLMo-core's model and train module (optimizer, schedule, loss) as the recipe configures them, scaled
+    down; building it initialises the weights (init_seed 0)."""
     window = SlidingWindowAttentionConfig(
         pattern=[args.window] * 3 + [-1],
         force_full_attention_on_first_layer=False,
@@ -176,14 +179,21 @@ def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
         rolling_interval_length=args.skip_window,
         group_overrides=[no_decay],
     )
-    module = TransformerTrainModuleConfig(
+    return TransformerTrainModuleConfig(
         rank_microbatch_size=tokens,
         max_sequence_length=args.seq_len,
         optim=optim,
         z_loss_multiplier=1e-5,
         max_grad_norm=1.0,
         scheduler=CosWithWarmup(warmup=args.warmup, alpha_f=args.lr_final, t_max=args.steps),
-    ).build(model, device=torch.device("cpu"))  # this initialises the weights (init_seed 0)
+    ).build(model, device=torch.device("cpu"))
+
+
+def olmo_core_run(args, files, out: Path, tok: data.Tokenizer, nudge: int = 0):
+    """OLMo-core's stage-1 recipe (OLMo-3-1025-7B-pretrain-1.py, scaled down): its trained model and records.
+    `nudge` ±k: every initial weight moved k ulps up or down, a draw of the reference's own noise."""
+    tokenizer = olmo_core_tokenizer(tok)
+    module, tokens = olmo_core_module(args, tokenizer), args.batch * args.seq_len
     if nudge:
         with torch.no_grad():
             for p in module.model.parameters():
@@ -478,6 +488,13 @@ def report(
     rounding differences grow through training (Adam divides by sqrt(v), spikes amplify), so two
     trainers that agree to 1e-7 on every early step part ways later, as each does from itself started one ulp
     away (`parted`); then the held-out figures judge."""
+    failures = report_steps(table, horizon, parted)
+    failures += report_held_out(evals, noise, learned=horizon < len(table))
+    return failures + report_same_weights(checks)
+
+
+def report_steps(table: list[dict], horizon: int, parted: dict) -> list[str]:
+    """Each step side by side; the steps through `horizon` that left their tolerance."""
     print(
         f"{'step':>4} {'batch hash':>17} {'lr ours':>10} {'lr OC':>10} {'loss ours':>11} {'loss OC':>11} "
         f"{'rel':>8} {'|g| ours':>10} {'|g| OC':>10} {'rel':>8} {'skip':>5} {'filtered':>8}"
@@ -504,8 +521,13 @@ def report(
         f"first step whose loss differs by more than {TOLERANCE['loss']:.0e}: "
         + "; ".join(f"{pair} {step or 'none'}" for pair, step in parted.items())
     )
-    failures = [f"step {r['step']}: {', '.join(r['failed'])}" for r in judged if r["failed"]]
-    learned = horizon < len(table)  # the two runs have parted: judge the trained models, not each step
+    return [f"step {r['step']}: {', '.join(r['failed'])}" for r in judged if r["failed"]]
+
+
+def report_held_out(evals: list[dict], noise: list[dict], learned: bool) -> list[str]:
+    """The held-out figures; what left its bar. Once the two runs have parted (`learned`), the trained
+    models are judged by each trainer's mean held-out loss over its runs, not token by token."""
+    failures = []
     for e, n in itertools.zip_longest(evals, noise):
         fp32, where = e["fp32"], f"{e['text']} at {e['length']}"
         print(comparison(f"{e['text']}, OLMo-core vs ours fp32", fp32))
@@ -513,7 +535,7 @@ def report(
         for who in ("olmo_core", "ours") if n else ():
             for d, r in zip(n["nudges"], n[who]):
                 print(comparison(f"  noise, OLMo-core vs {who.replace('_', '-')} from weights {d:+d} ulp", r))
-        if learned:  # trained models: each trainer's mean held-out loss over its runs
+        if learned:
             apart = e["runs_apart"]
             print(
                 f"held-out loss, {where} over {len(apart['olmo_core'])} + {len(apart['ours'])} runs: "
@@ -537,6 +559,12 @@ def report(
             failures.append(f"fp32 top-1 agreement, {where}: {fp32['top1']:.4%} (bar {top1:.4%})")
         if fp32["max_token_loss_diff"] > token_loss:
             failures.append(f"a held-out token's loss, {where}: {fp32['max_token_loss_diff']:.1e} nats")
+    return failures
+
+
+def report_same_weights(checks: list[dict]) -> list[str]:
+    """Our trained weights through transformers against ours; what left its bar."""
+    failures = []
     for c in checks:
         print(comparison(f"{c['text']}, same weights, transformers vs ours fp32", c["fp32"]))
         print(comparison(f"{c['text']}, same weights, transformers vs ours bf16", c["bf16"]))
@@ -610,7 +638,7 @@ def plot(table: list[dict], nudged_rows, path: Path):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", default="runs/reference", help="token files, both runs' files, JSON and plot")
@@ -648,6 +676,11 @@ def main(argv=None) -> int:
         default=0,
         help="the 32B's instance filter on both sides (32), over a corpus with planted repeats; 0: off",
     )
+    return judging_flags(p)
+
+
+def judging_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags for what is read after training and how the two sides are judged."""
     p.add_argument(
         "--eval_tokens", type=int, default=8192, help="held-out tokens at the training context (0: no eval)"
     )
@@ -678,7 +711,24 @@ def main(argv=None) -> int:
         action="store_true",
         help="let OLMo-core clip with torch's inexact CPU grad norm (see olmo_core_run)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def noise_runs(args, files, out: Path, tok: data.Tokenizer, reference, sets, our_rows, their_rows, parted):
+    """Each trainer again from initial weights a few ulps away: draws of its own noise. Returns the held-out
+    noise per set and both sides' per-step rows; `parted` gains when each run parted from its own."""
+    nudges = NUDGES[: args.noise]
+    nudged_theirs, nudged_rows = zip(*(olmo_core_run(args, files, out, tok, nudge=d) for d in nudges))
+    nudged_ours, nudged_our_rows = zip(*(our_run(args, files, out, nudge=d) for d in nudges))
+    for d, t_rows, o_rows in zip(nudges, nudged_rows, nudged_our_rows):
+        parted[f"OLMo-core {d:+d} ulp vs OLMo-core"] = parting(t_rows, their_rows)
+        parted[f"ours {d:+d} ulp vs ours"] = parting(o_rows, our_rows)
+    noise = [noise_floor(reference, nudges, nudged_theirs, nudged_ours, s) for s in sets]
+    return noise, nudged_rows, nudged_our_rows
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seconds, start = {}, time.perf_counter()
@@ -702,14 +752,10 @@ def main(argv=None) -> int:
     lap("held_out")
     noise, nudged_rows, nudged_our_rows = [], [], []
     parted = {"ours vs OLMo-core": parting(our_rows, their_rows)}
-    if args.noise:  # each initial weight a few ulps away: draws of each trainer's own noise
-        nudges = NUDGES[: args.noise]
-        nudged_theirs, nudged_rows = zip(*(olmo_core_run(args, files, out, tok, nudge=d) for d in nudges))
-        nudged_ours, nudged_our_rows = zip(*(our_run(args, files, out, nudge=d) for d in nudges))
-        for d, t_rows, o_rows in zip(nudges, nudged_rows, nudged_our_rows):
-            parted[f"OLMo-core {d:+d} ulp vs OLMo-core"] = parting(t_rows, their_rows)
-            parted[f"ours {d:+d} ulp vs ours"] = parting(o_rows, our_rows)
-        noise = [noise_floor(reference, nudges, nudged_theirs, nudged_ours, s) for s in sets]
+    if args.noise:
+        noise, nudged_rows, nudged_our_rows = noise_runs(
+            args, files, out, tok, reference, sets, our_rows, their_rows, parted
+        )
         lap("noise")
     for e, n in itertools.zip_longest(evals, noise):  # each trainer's mean over its runs, and the gap
         e["runs_apart"] = runs_apart(e, n)
@@ -723,19 +769,10 @@ def main(argv=None) -> int:
     failures = report(table, evals, args.horizon or args.steps, noise, checks, parted)
     plot(table, nudged_rows, out / "reference_loss.png")
     versions = {k: metadata.version(k) for k in ("jax", "equinox", "torch", "ai2-olmo-core")}
-    result = {
-        "args": vars(args),
-        "tolerance": TOLERANCE,
-        "steps": table,
-        "held_out": evals,
-        "noise": noise,
-        "parted": parted,
-        "noise_steps": {"olmo_core": nudged_rows, "ours": nudged_our_rows},
-        "same_weights": checks,
-        "failures": failures,
-        "seconds": seconds,
-        "versions": versions,
-    }
+    noise_steps = {"olmo_core": nudged_rows, "ours": nudged_our_rows}
+    result = dict(args=vars(args), tolerance=TOLERANCE, steps=table, held_out=evals, noise=noise)
+    result |= dict(parted=parted, noise_steps=noise_steps, same_weights=checks, failures=failures)
+    result |= dict(seconds=seconds, versions=versions)
     (out / "reference.json").write_text(json.dumps(result, indent=1))
     print(
         "seconds: "
