@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from damage import flip_byte, truncate
 from hf_models import FULL, hf_logits, make_hf
 from transformers import Olmo3ForCausalLM
 
@@ -42,22 +43,6 @@ def ckpt_cli(*args):
     return subprocess.run(
         [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
-
-
-def largest_file(path: Path) -> Path:
-    return max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
-def truncate(step_dir):
-    f = largest_file(step_dir / "model")
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-
-
-def flip_byte(step_dir):
-    f = largest_file(step_dir / "train")
-    data_ = bytearray(f.read_bytes())
-    data_[len(data_) // 2] ^= 0x40
-    f.write_bytes(bytes(data_))
 
 
 def saved_run(run_dir, tiny_data, steps=(9, 12)):

@@ -23,6 +23,13 @@ import train
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def memory_rows(table: str) -> dict[str, float]:
+    """The dry run's memory table: GiB per row name."""
+    return {
+        line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")
+    }
+
+
 @pytest.mark.parametrize(
     "name,topology,devices,kind",
     [
@@ -107,9 +114,7 @@ def test_dry_run_prints_the_memory_table_per_device(tmp_path):
         "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per"
         in table
     )
-    rows = {
-        line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")
-    }
+    rows = memory_rows(table)
     assert list(rows) == [
         "parameters (fp32)",
         "optimizer state (fp32)",
@@ -155,9 +160,7 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
         "v5litepod-4 (v5e:2x2), 4 devices of TPU v5 lite, mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in table
     )
     assert "attention 'splash'" in table
-    rows = {
-        line[:28].strip(): float(line[28:].split()[0]) for line in table.splitlines() if line.endswith("GiB")
-    }
+    rows = memory_rows(table)
     assert list(rows) == [
         "parameters (fp32)",
         "optimizer state (fp32)",

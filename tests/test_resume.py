@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from damage import delete_item, flip_byte, truncate
 
 import ckpt
 
@@ -197,26 +198,6 @@ def test_second_signal_exits_at_once_and_harms_nothing(env, tiny_data, reference
     out = run(env, run_dir, tiny_data, *extend)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"(step {STEPS})" in out.stdout and max(r["step"] for r in rows(run_dir)) == STEPS + 2
-
-
-def largest_file(path: Path) -> Path:
-    return max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
-def truncate(step_dir):
-    f = largest_file(step_dir / "model")
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-
-
-def flip_byte(step_dir):
-    f = largest_file(step_dir / "train")
-    data = bytearray(f.read_bytes())
-    data[len(data) // 2] ^= 0x40
-    f.write_bytes(bytes(data))
-
-
-def delete_item(step_dir):
-    shutil.rmtree(step_dir / "train")
 
 
 @pytest.mark.slow
