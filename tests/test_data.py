@@ -536,12 +536,9 @@ def train_cli(capsys, tmp_path, *flags) -> tuple[int, str]:
 
 
 def set_up(**fields) -> "train.Run":
-    """train.set_up for the tiny preset with these fields: its data and run directory, nothing compiled."""
+    """train.set_up for the tiny preset with these fields: its data, nothing compiled or written."""
     cfg = dataclasses.replace(train.PRESETS["tiny"], steps=1, **fields)
-    run = train.set_up(cfg, None, train.model_config(cfg), None, 1)
-    run.checkpoints.close()
-    run.log.close()
-    return run
+    return train.set_up(cfg, None, train.model_config(cfg), None, 1)
 
 
 def test_token_files_of_another_layout_are_refused_naming_the_fix(tmp_path, capsys):
