@@ -426,13 +426,13 @@ def eval_sets(spec: str, data_root: str) -> dict[str, list[str]]:
                     f"--eval_data {spec!r}: set {label!r} is given twice or is not a label (letters, digits, "
                     "_.+-); expected LABEL=FILES,LABEL=FILES"
                 )
-        found = expand([os.path.join(data_root, part)], f"--eval_data set {label}") if part else []
+        found = expand([os.path.join(data_root, part)], f"--eval_data {spec!r} (set {label})") if part else []
         sets[label] = sets.get(label, []) + found
     for label, files in sets.items():
         if not files:
             raise DataError(f"--eval_data {spec!r}: set {label} names no token file; expected {label}=FILES")
         for path in files:
-            check_eval_file(path, f"--eval_data set {label}")
+            check_eval_file(path, f"--eval_data {spec!r} (set {label})")
     return sets
 
 

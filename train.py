@@ -77,7 +77,7 @@ class TrainConfig:
     eval_data: str = ""  # held-out sets: LABEL=FILES,LABEL=FILES (a part without LABEL= adds files to the set
     # before it; globs allowed), an OLMo-core mix .txt of `label,path` lines (v3-small-ppl-validation.txt), or
     # unlabelled files (the set "held-out"); with --data tiny, default: its held-out plays ("tiny-val").
-    # Each set scored as OLMo-core's LMEvaluator: one instance per document, logged as eval/lm/LABEL/CE loss
+    # Each set scored as OLMo-core's LMEvaluator (one instance per document): eval/lm/LABEL/CE loss and PPL
     tokenizer: str = flag("dolma2", choices=("dolma2", "tiny"))  # for samples, id checks and the HF export
     seq_len: int = recipe(8192, low=2)
     global_batch: int = recipe(512, low=1)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens

@@ -125,7 +125,10 @@ def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path):
 @pytest.mark.parametrize(
     "spec, says",
     [
-        ("val={d}/nothing.npy", "--eval_data set val: token file {d}/nothing.npy does not exist"),
+        (
+            "val={d}/nothing.npy",
+            "--eval_data 'val={d}/nothing.npy' (set val): token file {d}/nothing.npy does not exist",
+        ),
         (
             "{d}/c4-0.npy,val={d}/books.npy",
             "--eval_data '{d}/c4-0.npy,val={d}/books.npy': '{d}/c4-0.npy' has no label",
@@ -138,7 +141,7 @@ def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path):
             "a=,b={d}/books.npy",
             "--eval_data 'a=,b={d}/books.npy': set a names no token file; expected a=FILES",
         ),
-        ("val={d}", "--eval_data set val: {d} is a directory"),
+        ("val={d}", "--eval_data 'val={d}' (set val): {d} is a directory"),
         ("{d}/mix.txt", "--eval_data {d}/mix.txt line 2: label ''; expected 'label,path'"),
         ("{d}/gone.txt", "--eval_data {d}/gone.txt line 1 (c4): token file {d}/c4-9.npy does not exist"),
     ],
@@ -172,3 +175,11 @@ def test_mix_file_sets_and_the_tiny_default(held_out, tmp_path, tiny_data):
     assert sets == {"c4": [held_out["c4"][1]]}
     _, sets, _ = data.resolve(held_out["c4"][0], "", held_out["c4"][1])  # unlabelled files: one set
     assert sets == {"held-out": [held_out["c4"][1]]}
+
+
+def test_a_missing_held_out_set_stops_a_tiny_run_in_one_line(tiny_data, tmp_path, capsys):
+    """--data tiny once scored its own held-out plays and ignored --eval_data: now the set given is read."""
+    argv = ["--preset", "tiny", "--data_root", str(tiny_data), "--eval_data", "val=nothing.npy"]
+    assert train.cli([*argv, "--run_dir", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: --eval_data 'val=nothing.npy' (set val): token file nothing.npy does not exist"
