@@ -65,7 +65,9 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 DOLMA3_TOKENIZER_ID = "allenai/dolma3-tokenizer"
 
 
-def mix_lines(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID):
+def mix_lines(
+    mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID
+) -> list[tuple[int, str, str]]:
     """(line number, label, token file under data_root) for each entry of an OLMo-core mix file (`label,path`
     lines, `#` comments)."""
     if not os.path.isfile(mix_file):

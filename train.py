@@ -345,12 +345,11 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
 
 @eqx.filter_jit
 def eval_step(model, batch, label_mask, chunk: int, mesh=None):
-    """(summed CE, positions counted) of a batch of padded held-out instances, as OLMo-core's eval_batch over
-    get_labels' labels and LMEvaluator's label-mask select: every label-masked position counts, and its CE is
-    that of the next token where that one is masked too, else 0 (a document's last position: no label)."""
+    """(summed CE, positions counted) of padded held-out instances, as OLMo-core scores them: get_labels gives
+    position t the label token t + 1 if that one is label-masked (a document's last position has none), and
+    LMEvaluator averages over every label-masked position, one without a label counting 0."""
     layout = None if mesh is None else shard.Layout(mesh)
-    has_label = jnp.pad(label_mask[:, 1:], ((0, 0), (0, 1)))  # get_labels: shifted left, the last none
-    scored = label_mask & has_label
+    scored = label_mask & jnp.pad(label_mask[:, 1:], ((0, 0), (0, 1)))  # masked, with a masked next token
     w, targets = model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1)
     (ce, _), _, _ = olmo3.lm_head_sums(model.features(batch, layout), w, loss_sums, targets, scored, chunk)
     return ce, label_mask.sum()
@@ -481,7 +480,9 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tokenizer_path, meta)
 
 
-def padded_eval_sets(held_out: dict, model_cfg: olmo3.Olmo3Config, seq_len: int, dtype) -> list:
+def padded_eval_sets(
+    held_out: dict, model_cfg: olmo3.Olmo3Config, seq_len: int, dtype
+) -> list[data.PaddedEvalSet]:
     """Each labelled held-out set's instances (data.PaddedEvalSet), documents split at the model's EOS and
     padded with its pad id (or EOS: padding is never scored); held-out files are small, so every id is
     checked here, before step 1."""
@@ -492,7 +493,7 @@ def padded_eval_sets(held_out: dict, model_cfg: olmo3.Olmo3Config, seq_len: int,
     return [data.PaddedEvalSet(label, files, seq_len, eos, pad, dtype) for label, files in held_out.items()]
 
 
-def check_eval_only(cfg: TrainConfig, eval_sets: list) -> None:
+def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> None:
     """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
     weights would print a loss that means nothing, for a run directory mistyped)."""
     if not eval_sets:
