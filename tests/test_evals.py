@@ -34,13 +34,15 @@ def write_docs(path, lengths, seed, tail=0):
 
 @pytest.fixture
 def held_out(tmp_path):
-    """Two labelled sets: documents shorter than, as long as and longer than SEQ, one ending in stray tokens."""
+    """Labelled sets of documents shorter than, as long as and longer than SEQ, one file ending in stray
+    tokens; wiki's 11 documents fill more than one batch of 8."""
     return {
         "c4": [
             write_docs(tmp_path / "c4-0.npy", [5, 40, 16, 1], 0, tail=7),
             write_docs(tmp_path / "c4-1.npy", [9], 1),
         ],
         "books": [write_docs(tmp_path / "books.npy", [17, 3, 30, 12, 2], 2)],
+        "wiki": [write_docs(tmp_path / "wiki.npy", [4, 20, 7, 16, 2, 33, 9, 11, 15, 3, 18], 3)],
     }
 
 
@@ -74,15 +76,17 @@ def test_instances_are_olmo_cores_padded_instances(held_out, tmp_path):
         assert (tokens[len(ref) :] == PAD).all() and not mask[len(ref) :].any()
 
 
-def olmo_core_metrics(hf, held_out, work_dir):
+def olmo_core_metrics(hf, held_out, work_dir, limit=None):
     """LMEvaluator's metrics: OLMo-core's eval loop (get_labels, per-token CE with reduction "none",
-    update_metrics, compute_metrics) over transformers' logits, in batches of 3 instances."""
+    update_metrics, compute_metrics) over transformers' logits, in batches of 3 instances; with `limit`, over
+    each set's first `limit` instances only."""
     labels = list(held_out)
     evaluator = LMEvaluator(name="lm", batches=[], labels=labels, device=torch.device("cpu"))
     for label, paths in held_out.items():
         dataset = olmo_core_set(paths, label, work_dir)
-        for first in range(0, len(dataset), 3):
-            items = [dataset[i] for i in range(first, min(first + 3, len(dataset)))]
+        n = min(len(dataset), limit or len(dataset))
+        for first in range(0, n, 3):
+            items = [dataset[i] for i in range(first, min(first + 3, n))]
             batch = {k: torch.stack([item[k] for item in items]) for k in ("input_ids", "label_mask")}
             batch["metadata"] = [item["metadata"] for item in items]
             logits = torch.as_tensor(hf_logits(hf, batch["input_ids"]))
@@ -94,7 +98,7 @@ def olmo_core_metrics(hf, held_out, work_dir):
 
 def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path):
     hf = make_hf(tmp_path / "hf", vocab=VOCAB)
-    spec = ",".join(f"{label}={','.join(paths)}" for label, paths in held_out.items())  # c4=a,b,books=c
+    spec = ",".join(f"{label}={','.join(paths)}" for label, paths in held_out.items())  # c4=a,b,books=c,...
     cfg = dataclasses.replace(
         train.PRESETS["tiny"],
         data=write_docs(tmp_path / "train.npy", [8 * SEQ], 3),  # one batch to train on: not read here
@@ -113,13 +117,18 @@ def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path):
     run = train.set_up(cfg, mesh, model.cfg, compute, 1)
     train.open_run_dir(run)
     with jax.set_mesh(mesh):
-        train.evaluate(run, 7, model)
-    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    expected = olmo_core_metrics(hf, held_out, tmp_path / "work")
-    assert row.keys() == {"step", "eval_loss", "eval_ppl", *expected}
-    for name, value in expected.items():
-        assert row[name] == pytest.approx(value, rel=1e-5), name
-    assert row["eval_loss"] == row["eval/lm/c4/CE loss"] and row["step"] == 7
+        train.evaluate(run, 7, model)  # the whole sets
+        train.evaluate(dataclasses.replace(run, cfg=dataclasses.replace(cfg, eval_batches=1)), 8, model)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for row, limit in zip(rows, (None, 8), strict=True):  # --eval_batches 1: each set's first 8 documents
+        expected = olmo_core_metrics(hf, held_out, tmp_path / "work", limit)
+        assert row.keys() == {"step", "eval_loss", "eval_ppl", *expected}
+        for name, value in expected.items():
+            assert row[name] == pytest.approx(value, rel=1e-5), name
+        assert row["eval_loss"] == row["eval/lm/c4/CE loss"]
+    assert [row["step"] for row in rows] == [7, 8] and rows[0]["eval/lm/wiki/CE loss"] != rows[1][
+        "eval/lm/wiki/CE loss"
+    ]
 
 
 @pytest.mark.parametrize(
