@@ -65,11 +65,14 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 DOLMA3_TOKENIZER_ID = "allenai/dolma3-tokenizer"
 
 
-def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
-    """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
+def mix_lines(
+    mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID
+) -> list[tuple[int, str, str]]:
+    """(line number, label, token file under data_root) for each entry of an OLMo-core mix file (`label,path`
+    lines, `#` comments)."""
     if not os.path.isfile(mix_file):
         raise FileNotFoundError(f"mix file {mix_file} does not exist")
-    paths = []
+    entries = []
     with open(mix_file) as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
@@ -84,10 +87,15 @@ def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TO
                     f"{mix_file} line {n}: {path} has a placeholder with no value (for "
                     "{TOKENIZER}, pass tokenizer_id)"
                 )
-            paths.append(os.path.join(data_root, path))
-    if not paths:
+            entries.append((n, fields[0], os.path.join(data_root, path)))
+    if not entries:
         raise DataError(f"mix file {mix_file} lists no token files")
-    return paths
+    return entries
+
+
+def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
+    """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
+    return [path for _, _, path in mix_lines(mix_file, data_root, tokenizer_id)]
 
 
 def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
@@ -134,14 +142,17 @@ def expand(patterns: list[str], flag: str) -> list[str]:
     return found
 
 
-def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[str], list[str], str | None]:
-    """(train files, held-out files, tiny tokenizer path or None) from train.py's --data, --data_root and
-    --eval_data: token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny". With "tiny",
-    data_root is the folder the tiny corpus is prepared in (once, created if missing); otherwise it is the
-    folder that relative paths of --data, --eval_data and the mix file's lines are under, and must exist."""
+def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[str], dict, str | None]:
+    """(train files, held-out sets {label: files}, tiny tokenizer path or None) from train.py's --data,
+    --data_root and --eval_data (eval_sets). --data: token files (comma-separated, globs allowed), an OLMo-core
+    mix .txt, or "tiny". With "tiny", data_root is the folder the tiny corpus is prepared in (once, created if
+    missing), its held-out plays the set TINY_EVAL_LABEL unless --eval_data names others (relative to the
+    working directory); otherwise it is the folder that relative paths of --data, --eval_data and the mix
+    file's lines are under, and must exist."""
     if spec == "tiny":
         prepared = prepare_tiny(data_root or TINY_DIR)
-        return prepared["train"], prepared["val"], prepared["tokenizer"]
+        held_out = eval_sets(eval_spec, "") if eval_spec else {TINY_EVAL_LABEL: prepared["val"]}
+        return prepared["train"], held_out, prepared["tokenizer"]
     if not spec:
         raise DataError(
             "--data is empty: give token files (comma-separated, globs allowed), a mix .txt file, or 'tiny'"
@@ -166,7 +177,7 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
                 )
         return found
 
-    return files("--data", spec), files("--eval_data", eval_spec) if eval_spec else [], None
+    return files("--data", spec), eval_sets(eval_spec, data_root) if eval_spec else {}, None
 
 
 def check_layout(path: str, dtype: np.dtype):
@@ -380,6 +391,120 @@ def check_fingerprint(saved: dict, current: dict):
         raise ValueError(
             "the data differs from the checkpoint's, so its order would too:\n  " + "\n  ".join(changes)
         )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Held-out sets as OLMo-core's LMEvaluator reads them (NumpyPaddedFSLDataset): labelled sets of token files,
+# one instance per document.
+
+DEFAULT_EVAL_LABEL, TINY_EVAL_LABEL = (
+    "held-out",
+    "tiny-val",
+)  # the sets of unlabelled files and of --data tiny
+# OLMo-core's DataMix.build writes `{TOKENIZER}` of its perplexity-validation mixes as "dolma2-tokenizer" (for
+# dolma2; other mixes, as read_mix: DOLMA3_TOKENIZER_ID).
+PPL_MIXES = ("v3-small-ppl-validation", "c4-ppl-validation", "code-fresh-ppl-validation")
+PPL_MIX_TOKENIZER_ID = "dolma2-tokenizer"
+EVAL_LABEL = re.compile(r"[\w.+-]+")  # a label is a metric name's middle: eval/lm/<label>/CE loss
+
+
+def eval_sets(spec: str, data_root: str) -> dict[str, list[str]]:
+    """train.py's --eval_data as {label: token files}, every file there: an OLMo-core mix .txt (`label,path`
+    lines, several lines of one label one set), `LABEL=FILES,LABEL=FILES` (globs allowed; a comma-separated
+    part without `LABEL=` adds files to the set before it), or unlabelled files: one set, DEFAULT_EVAL_LABEL."""
+    if spec.endswith(".txt"):
+        return eval_mix_sets(spec, data_root)
+    parts = [part for part in spec.split(",") if part]
+    if "=" not in parts[0] and any("=" in part for part in parts):
+        raise DataError(
+            f"--eval_data {spec!r}: {parts[0]!r} has no label; expected LABEL=FILES for every set"
+        )
+    sets, label = {}, DEFAULT_EVAL_LABEL
+    for part in parts:
+        if "=" in part:
+            label, part = part.split("=", 1)
+            if not EVAL_LABEL.fullmatch(label) or label in sets:
+                raise DataError(
+                    f"--eval_data {spec!r}: set {label!r} is given twice or is not a label (letters, digits, "
+                    "_.+-); expected LABEL=FILES,LABEL=FILES"
+                )
+        found = expand([os.path.join(data_root, part)], f"--eval_data {spec!r} (set {label})") if part else []
+        sets[label] = sets.get(label, []) + found
+    for label, files in sets.items():
+        if not files:
+            raise DataError(f"--eval_data {spec!r}: set {label} names no token file; expected {label}=FILES")
+        for path in files:
+            check_eval_file(path, f"--eval_data {spec!r} (set {label})")
+    return sets
+
+
+def eval_mix_sets(mix_file: str, data_root: str) -> dict[str, list[str]]:
+    """An OLMo-core mix file's labelled sets, `{TOKENIZER}` written as OLMo-core's DataMix.build writes it."""
+    name = os.path.basename(mix_file).removesuffix(".txt")
+    tokenizer_id = PPL_MIX_TOKENIZER_ID if name in PPL_MIXES else DOLMA3_TOKENIZER_ID
+    sets = {}
+    for n, label, path in mix_lines(mix_file, data_root, tokenizer_id):
+        where = f"--eval_data {mix_file} line {n}"
+        if not EVAL_LABEL.fullmatch(label):
+            raise DataError(
+                f"{where}: label {label!r}; expected 'label,path' with a label (letters, digits, _.+-)"
+            )
+        check_eval_file(path, f"{where} ({label})")
+        sets.setdefault(label, []).append(path)
+    return sets
+
+
+def check_eval_file(path: str, where: str) -> None:
+    """Refuse a held-out token file that is not there: a set is scored or refused, never dropped."""
+    if os.path.isdir(path):
+        raise DataError(
+            f"{where}: {path} is a directory; expected token files (e.g. {os.path.join(path, '*.npy')})"
+        )
+    if not os.path.isfile(path):
+        raise DataError(f"{where}: token file {path} does not exist")
+
+
+def document_spans(path: str, seq_len: int, eos_id: int, dtype) -> np.ndarray:
+    """[start, end) of each document of a token file, its first seq_len tokens: OLMo-core's
+    segment_documents_into_instances. A document ends at an EOS (kept); tokens after the last EOS are in none."""
+    dtype = np.dtype(dtype)
+    n = _num_tokens(path, dtype)
+    ends = np.flatnonzero(np.memmap(path, dtype, "r") == eos_id) + 1 if n else np.empty(0, np.int64)
+    if not len(ends):
+        raise DataError(
+            f"{path}: no EOS (id {eos_id}) in its {n} tokens, so no document to evaluate (held-out sets are "
+            "scored per document, as OLMo-core's padded evaluation sets)"
+        )
+    starts = np.concatenate([[0], ends[:-1]])
+    return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
+
+
+class PaddedEvalSet:
+    """One labelled held-out set as OLMo-core's NumpyPaddedFSLDataset makes it: one instance per document
+    (document_spans), in file order, right-padded with pad_id to seq_len; its label mask is True on the
+    document's tokens. (The pad id is never scored: a causal model's document positions see no padding.)"""
+
+    def __init__(self, label: str, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype):
+        self.label, self.paths, self.seq_len, self.pad_id = label, list(paths), seq_len, pad_id
+        self.tokens = [np.memmap(p, np.dtype(dtype), "r") for p in self.paths]
+        spans = [document_spans(p, seq_len, eos_id, dtype) for p in self.paths]
+        self.spans = np.concatenate(
+            [np.insert(s, 0, k, axis=1) for k, s in enumerate(spans)]
+        )  # file, start, end
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def rows(self, instances: np.ndarray, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, label mask), each [len(instances), seq_len], of these instances; an index at or past
+        `stop` is an empty row (all padding, nothing masked), so every batch has one shape."""
+        tokens = np.full((len(instances), self.seq_len), self.pad_id, np.int32)
+        mask = np.zeros((len(instances), self.seq_len), bool)
+        for row, i in enumerate(instances):
+            if i < stop:
+                k, start, end = self.spans[i]
+                tokens[row, : end - start], mask[row, : end - start] = self.tokens[k][start:end], True
+        return tokens, mask
 
 
 # OLMo-core's instance filter (InstanceFilterConfig), on for the 32B: drop from the loss every instance

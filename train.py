@@ -74,7 +74,10 @@ class TrainConfig:
     data_dtype: str = flag("", choices=("", *data.DATA_DTYPES))  # token files' dtype; default: from the vocab
     data: str = ""  # token files (comma-separated, globs allowed), an OLMo-core mix .txt, or "tiny"
     data_root: str = ""  # folder of relative --data/--eval_data/mix paths; with --data tiny, made if missing
-    eval_data: str = ""  # held-out token files, read in order
+    eval_data: str = ""  # held-out sets: LABEL=FILES,LABEL=FILES (a part without LABEL= adds files to the set
+    # before it; globs allowed), an OLMo-core mix .txt of `label,path` lines (v3-small-ppl-validation.txt), or
+    # unlabelled files (the set "held-out"); with --data tiny, default: its held-out plays ("tiny-val").
+    # Each set scored as OLMo-core's LMEvaluator (one instance per document): eval/lm/LABEL/CE loss and PPL
     tokenizer: str = flag("dolma2", choices=("dolma2", "tiny"))  # for samples, id checks and the HF export
     seq_len: int = recipe(8192, low=2)
     global_batch: int = recipe(512, low=1)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
@@ -111,7 +114,8 @@ class TrainConfig:
     keep_last: int = flag(2, low=2)  # recent checkpoints kept (at least 2: the newest may be mid-write)
     keep_every: int = flag(0, low=0)  # also keep every step divisible by this, forever; 0 = none
     eval_every: int = flag(1000, low=1)
-    eval_batches: int = flag(16, low=1)
+    eval_batches: int = flag(0, low=0)  # instances scored per held-out set: the first this many batches'
+    # worth (x --global_batch); 0 = the whole set, as OLMo-core
     init_from_hf: str = ""  # start from released weights (e.g. AI2's stage1-step0) instead of random init
     eval_only: bool = False  # evaluate the latest checkpoint (or --init_from_hf) and exit
     dry_run: bool = False  # compile one step for the mesh, print memory per device and FLOPs, exit
@@ -340,13 +344,15 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
 
 
 @eqx.filter_jit
-def eval_step(model, batch, chunk: int, mesh=None):
-    """Summed CE over the batch's targeted positions (no z-loss)."""
+def eval_step(model, batch, label_mask, chunk: int, mesh=None):
+    """(summed CE, positions counted) of padded held-out instances, as OLMo-core scores them: get_labels gives
+    position t the label token t + 1 if that one is label-masked (a document's last position has none), and
+    LMEvaluator averages over every label-masked position, one without a label counting 0."""
     layout = None if mesh is None else shard.Layout(mesh)
-    x, mask = model.features(batch, layout), targeted(jnp.ones(batch.shape[0], bool), batch.shape[1])
+    scored = label_mask & jnp.pad(label_mask[:, 1:], ((0, 0), (0, 1)))  # masked, with a masked next token
     w, targets = model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1)
-    (ce, _), _, _ = olmo3.lm_head_sums(x, w, loss_sums, targets, mask, chunk)
-    return ce
+    (ce, _), _, _ = olmo3.lm_head_sums(model.features(batch, layout), w, loss_sums, targets, scored, chunk)
+    return ce, label_mask.sum()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -446,7 +452,7 @@ class Run:
     compute: olmo3.Compute
     n_micro: int
     loader: data.TokenLoader
-    eval_loader: data.TokenLoader | None
+    eval_sets: list[data.PaddedEvalSet]  # empty: nothing to evaluate
     tokenizer_path: str | None
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
     checkpoints: ckpt.Checkpoints | None = None  # these two open the run directory: open_run_dir
@@ -457,28 +463,40 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     """The data, refusing --steps beyond it (or, with --eval_only, a run with nothing to evaluate); nothing is
     written yet, so a refused run leaves no run directory.
     Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1."""
-    files, eval_files, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
+    files, held_out, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
     vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
-    eval_loader = data.TokenLoader(eval_files, cfg.seq_len, cfg.global_batch, **kw) if eval_files else None
+    eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
     if cfg.eval_only:
-        check_eval_only(cfg, eval_loader)
+        check_eval_only(cfg, eval_sets)
     elif cfg.steps > loader.num_batches:
         raise FlagError(
             f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
             f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
         )
-    data.check_tokens(eval_files, vocab, dtype)  # held-out files are small: every id, before step 1
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
-    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_loader, tokenizer_path, meta)
+    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tokenizer_path, meta)
 
 
-def check_eval_only(cfg: TrainConfig, eval_loader: data.TokenLoader | None) -> None:
+def padded_eval_sets(
+    held_out: dict, model_cfg: olmo3.Olmo3Config, seq_len: int, dtype
+) -> list[data.PaddedEvalSet]:
+    """Each labelled held-out set's instances (data.PaddedEvalSet), documents split at the model's EOS and
+    padded with its pad id (or EOS: padding is never scored); held-out files are small, so every id is
+    checked here, before step 1."""
+    eos = model_cfg.eos_token_id
+    pad = eos if model_cfg.pad_token_id is None else model_cfg.pad_token_id
+    for files in held_out.values():
+        data.check_tokens(files, model_cfg.vocab_size, dtype)
+    return [data.PaddedEvalSet(label, files, seq_len, eos, pad, dtype) for label, files in held_out.items()]
+
+
+def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> None:
     """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
     weights would print a loss that means nothing, for a run directory mistyped)."""
-    if eval_loader is None:
+    if not eval_sets:
         raise FlagError("--eval_only needs held-out data: set --eval_data")
     saved = Path(cfg.run_dir) / "checkpoints"
     if not cfg.init_from_hf and not (
@@ -581,16 +599,39 @@ def log_step(
     run.log.write(row)
 
 
-def evaluate(run: Run, step: int, model) -> float:
-    """Mean held-out CE per targeted token over --eval_batches batches, logged as step `step`'s eval row."""
-    cfg, loader = run.cfg, run.eval_loader
-    n, rank, world = min(cfg.eval_batches, loader.num_batches), jax.process_index(), jax.process_count()
-    to_devices = lambda i: shard.put_batch(loader.local_batch(i, rank, world), run.mesh, cfg.global_batch)
-    total = sum(eval_step(model, to_devices(i), cfg.loss_chunk, run.mesh) for i in range(n))
-    loss = float(total) / (n * cfg.global_batch * (cfg.seq_len - 1))
-    run.log.write(dict(step=step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50))))
-    say(f"step {step}: held-out loss {loss:.4f}, perplexity {math.exp(min(loss, 50)):.2f}")
-    return loss
+def eval_set_loss(run: Run, model, held: data.PaddedEvalSet) -> float:
+    """One held-out set's CE per token, as OLMo-core's LMEvaluator: the mean over the label-masked positions
+    of the whole set (or its first --eval_batches batches), in batches of --global_batch instances (the last
+    filled with empty rows: one compiled program for every set)."""
+    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
+    n = min(len(held), cfg.eval_batches * cfg.global_batch) if cfg.eval_batches else len(held)
+    local = np.arange(rank, cfg.global_batch, world)  # this process's rows of each batch, as in training
+    put = lambda rows: shard.put_batch(rows, run.mesh, cfg.global_batch)
+    total = count = 0
+    for first in range(0, n, cfg.global_batch):
+        tokens, mask = held.rows(first + local, stop=n)
+        ce, counted = eval_step(model, put(tokens), put(mask), cfg.loss_chunk, run.mesh)
+        total, count = total + ce, count + counted
+    return float(total) / int(count)
+
+
+def evaluate(run: Run, step: int, model) -> dict:
+    """Every held-out set's CE loss and PPL, logged as step `step`'s eval row under OLMo-core's names
+    (eval/lm/LABEL/CE loss, eval/lm/LABEL/PPL; eval_loss and eval_ppl: the first set's) and printed as a
+    table. PPL is exp(CE), capped at exp(50) so a diverged model's row stays finite JSON."""
+    row = dict(step=step)
+    for held in run.eval_sets:
+        ce = eval_set_loss(run, model, held)
+        row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"] = ce, math.exp(min(ce, 50))
+    first = run.eval_sets[0].label
+    row |= dict(eval_loss=row[f"eval/lm/{first}/CE loss"], eval_ppl=row[f"eval/lm/{first}/PPL"])
+    run.log.write(row)
+    width = max(len(held.label) for held in run.eval_sets)
+    say(f"step {step}: held-out evaluation\n  {'set':<{width}}  CE loss        PPL")
+    for held in run.eval_sets:
+        ce, ppl = row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"]
+        say(f"  {held.label:<{width}}  {ce:7.4f} {ppl:10.2f}")
+    return row
 
 
 def save(run: Run, step: int, model, opt, key) -> None:
@@ -666,7 +707,7 @@ def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
             run.checkpoints.check()  # a failed background save stops the run here
             pending = (step, metrics, wait, batch_hash, filtered)
             stop = preemption.requested(step, run.checkpoints)
-            do_eval = run.eval_loader is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+            do_eval = bool(run.eval_sets) and (step % cfg.eval_every == 0 or step == cfg.steps)
             do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
             # Never evaluate or checkpoint a state whose loss was not checked; and the first step compiles,
             # so its numbers are read at once: its time is its own, not the next step's too.

@@ -586,7 +586,7 @@ def test_data_root_is_a_folder_that_exists_unless_it_is_made_for_tiny(tmp_path):
         data.DataError, match=r"--data_root .*nowhere is not a directory: .*only with --data tiny"
     ):
         data.resolve(os.path.basename(path), str(tmp_path / "nowhere"))
-    assert data.resolve(os.path.basename(path), str(tmp_path)) == ([path], [], None)
+    assert data.resolve(os.path.basename(path), str(tmp_path)) == ([path], {}, None)
     assert "with --data tiny, made if missing" in train.flags()["data_root"][1]  # what --help says
 
 
