@@ -772,12 +772,13 @@ def hf_names(cfg: Olmo3Config):
     yield "lm_head", None, "lm_head.weight", 1
 
 
-def _leaf(model, path: str):
+def leaf_at(model, path: str):
+    """The leaf at dotted `path` ("layers.mlp.up_proj") of a model or of moments shaped like it."""
     return functools.reduce(getattr, path.split("."), model)
 
 
 def _set_leaf(model, path: str, value):
-    return eqx.tree_at(lambda m: _leaf(m, path), model, value)
+    return eqx.tree_at(lambda m: leaf_at(m, path), model, value)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int, vocab: int | None) -> tuple[int, ...]:
@@ -1037,13 +1038,13 @@ def assemble(tree, names, read, vocab: int, shardings=None):
     for leaf, layer, name, n_in in names:
         by_leaf.setdefault(leaf, []).append((layer, name, n_in))
     for leaf, entries in by_leaf.items():
-        target = _leaf(tree, leaf)
+        target = leaf_at(tree, leaf)
         host = np.empty(target.shape, np.float32)
         for layer, name, n_in in entries:
             shape = target.shape[1:] if layer is not None else target.shape
             t = read(name, _hf_shape(shape, n_in, vocab if leaf in VOCAB_LEAVES else None))
             host[layer if layer is not None else ...] = hf_to_ours(t, shape, n_in, leaf in VOCAB_LEAVES)
-        sharding = _leaf(shardings, leaf) if shardings is not None else None
+        sharding = leaf_at(shardings, leaf) if shardings is not None else None
         tree = _set_leaf(tree, leaf, jax.device_put(host, sharding))
         del host
     return tree
@@ -1085,7 +1086,7 @@ def save_hf(
         current, size = {}, 0
 
     for leaf, layer, name, n_in in hf_names(cfg):
-        w = np.asarray(jax.device_get(_leaf(model, leaf) if layer is None else _leaf(model, leaf)[layer]))
+        w = np.asarray(jax.device_get(leaf_at(model, leaf) if layer is None else leaf_at(model, leaf)[layer]))
         t = np.ascontiguousarray(
             ours_to_hf(w, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None).astype(np_dtype)
         )
@@ -1367,7 +1368,7 @@ def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, preset: str, file: Pa
     model = olmo3.abstract(cfg)
     expected = {}
     for leaf, layer, fqn, n_in in olmo_core_names(cfg):
-        shape = _leaf(model, leaf).shape[1 if layer is not None else 0 :]
+        shape = leaf_at(model, leaf).shape[1 if layer is not None else 0 :]
         want = _hf_shape(shape, n_in, cfg.padded_vocab if leaf in VOCAB_LEAVES else None)
         expected[f"model.{fqn}"] = want
         expected.update(
@@ -1387,14 +1388,30 @@ def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, preset: str, file: Pa
         for k, v in expected.items()
         if k in found and found[k] != v
     ]
-    diff += [f"{k} missing" for k in expected.keys() - found.keys()] + [
-        f"{k} not in the preset's model" for k in found.keys() - expected.keys()
-    ]
+    diff += [f"{k} missing" for k in expected if k not in found]
+    diff += [f"{k} not in the preset's model" for k in found if k not in expected]
     if diff:
+        diff.sort(key=lambda d: d.startswith("optim."))  # the weights first: the moments repeat them
         raise ValueError(
-            f"{file} holds another model than --preset {preset}: {'; '.join(sorted(diff)[:4])}"
-            f"{f' ({len(diff)} differences)' if len(diff) > 4 else ''}"
+            f"{file} holds another model than --preset {preset}: {_olmo_core_shape(found, cfg)}"
+            f"{'; '.join(diff[:3])}{f' ({len(diff)} differences)' if len(diff) > 3 else ''}"
         )
+
+
+def _olmo_core_shape(found: dict, cfg: Olmo3Config) -> str:
+    """The checkpoint's layer count, width and vocabulary rows where they differ from `cfg`'s, in words."""
+    layers = len({k.split(".")[2] for k in found if k.startswith("model.blocks.")})
+    rows, width = found.get("model.embeddings.weight", (None, None))
+    said = [
+        f"{what} {a} (checkpoint) vs {b} (preset); "
+        for what, a, b in [
+            ("n_layers", layers, cfg.n_layers),
+            ("d_model", width, cfg.d_model),
+            ("vocab rows", rows, cfg.padded_vocab),
+        ]
+        if a != b
+    ]
+    return "".join(said)
 
 
 def adam_count(tensors: dict, cfg: Olmo3Config, file: Path) -> float:

@@ -1,0 +1,239 @@
+"""ckpt.py from-olmo-core against OLMo-core itself: a small OLMo 3 trained a few steps on the CPU by OLMo-core's
+SkipStepAdamW (one step skipped as a spike) and saved by OLMo-core's checkpointer (real DCP files), imported:
+weights and both Adam moments bit for bit, Adam's count as OLMo-core kept it, the same logits as OLMo-core's
+model, and a run directory train.py restores. Bad checkpoints are refused in one line, nothing written."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_model import olmo_core_fields
+
+import ckpt
+import olmo3
+import shard
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+VOCAB, LAYERS, STEPS, SPIKE = 256, 2, 5, 5  # OLMo-core trains STEPS steps; step SPIKE is a loss spike
+
+
+def olmo_core_config(d_model: int | None = None):
+    """OLMo-core's olmo3_14M shrunk to LAYERS layers (its sliding window pattern, the last layer full), on
+    torch's attention (the CPU has no flash attention); `d_model` for a model of another width."""
+    from olmo_core.nn.attention import AttentionBackendName
+    from olmo_core.nn.transformer import TransformerConfig
+
+    config = TransformerConfig.olmo3_14M(
+        vocab_size=VOCAB, n_layers=LAYERS, attn_backend=AttentionBackendName.torch
+    )
+    return config if d_model is None else dataclasses.replace(config, d_model=d_model)
+
+
+def our_config() -> olmo3.Olmo3Config:
+    """Our Olmo3Config for olmo_core_config(), read off OLMo-core's config as tests/test_model.py reads it."""
+    from olmo_core.data import TokenizerConfig
+
+    tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=1)
+    fields = olmo_core_fields(olmo_core_config(), tokenizer)
+    return dataclasses.replace(olmo3.PRESETS["tiny"], **fields, max_seq_len=64)
+
+
+def olmo_core_train(step_dir: Path, config, spike: int | None = SPIKE, stop_one: str | None = None):
+    """Train OLMo-core's model STEPS steps with its SkipStepAdamW (embeddings without weight decay, as the
+    recipe), the loss at step `spike` made a spike so that the step is skipped, and save the model and
+    optimizer with OLMo-core's checkpointer in step_dir/model_and_optim, beside the config.json its trainer
+    writes. `stop_one`: that parameter gets no gradient in the last step (its Adam count falls behind).
+    Returns the model, the optimizer and the steps it skipped."""
+    import torch
+    from olmo_core.distributed.checkpoint import save_model_and_optim_state
+    from olmo_core.optim.adamw import SkipStepAdamW
+
+    torch.manual_seed(0)
+    model = config.build(init_device="cpu")
+    model.init_weights(device=torch.device("cpu"))
+    params = dict(model.named_parameters())
+    groups = [
+        {"params": [params["embeddings.weight"]], "weight_decay": 0.0},
+        {"params": [p for k, p in params.items() if k != "embeddings.weight"]},
+    ]
+    opt = SkipStepAdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, rolling_interval_length=8)
+    skipped = []
+    for step in range(1, STEPS + 1):
+        ids = torch.randint(0, VOCAB, (2, 16))
+        loss = torch.nn.functional.cross_entropy(
+            model(ids)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        if stop_one and step == STEPS:
+            params[stop_one].grad = None  # torch's Adam leaves a parameter without a gradient alone
+        opt.latest_loss = loss.detach() * (1e6 if step == spike else 1.0)
+        opt.latest_grad_norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in model.parameters() if p.grad is not None]
+        )
+        opt.step()
+        skipped += [step] if opt.step_skipped else []
+        opt.zero_grad()
+    save_model_and_optim_state(step_dir / "model_and_optim", model, opt)
+    (step_dir / "config.json").write_text(json.dumps({"model": config.as_config_dict()}, default=str))
+    return model, opt, skipped
+
+
+@pytest.fixture(scope="module")
+def olmo_core_step(tmp_path_factory):
+    """An OLMo-core step directory, and what OLMo-core's model and optimizer held when they saved it."""
+    step_dir = tmp_path_factory.mktemp("olmo-core") / "step4"
+    return step_dir, *olmo_core_train(step_dir, olmo_core_config())
+
+
+@pytest.fixture
+def recipe(monkeypatch):
+    """train.py's tiny recipe on our_config()'s model, under a preset name of its own."""
+    monkeypatch.setitem(olmo3.PRESETS, "olmo-core-14m", our_config())
+    return dataclasses.replace(train.PRESETS["tiny"], preset="olmo-core-14m", skip_window=8)
+
+
+def olmo_core_layout(tree, cfg) -> dict[str, np.ndarray]:
+    """Our model (or moments shaped like it) by OLMo-core's parameter names, in OLMo-core's layout."""
+    out = {}
+    for leaf, layer, fqn, n_in in ckpt.olmo_core_names(cfg):
+        w = np.asarray(ckpt.leaf_at(tree, leaf) if layer is None else ckpt.leaf_at(tree, leaf)[layer])
+        out[fqn] = ckpt.ours_to_hf(w, n_in, cfg.padded_vocab if leaf in ckpt.VOCAB_LEAVES else None)
+    return out
+
+
+def restore(run_dir, recipe):
+    """The run directory's newest checkpoint restored as train.py's restore_or_init restores it: into the
+    recipe's abstract state on a mesh, refused by check_resume if it were of another model."""
+    cfg = olmo3.PRESETS[recipe.preset]
+    mesh = shard.make_mesh("fsdp=2")
+    model_like, opt_like = train.abstract_state(recipe, mesh, cfg, olmo3.Compute())
+    key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
+    expected = {"model": ckpt.config_to_hf(cfg), "config": dataclasses.asdict(recipe)}
+    check = lambda meta: ckpt.check_resume(meta, expected, train.RECIPE_FIELDS, False, str(run_dir))
+    checkpoints = ckpt.Checkpoints(run_dir, read_only=True)
+    try:
+        return checkpoints.restore_latest(model_like, {"opt": opt_like, "key": key_like}, check=check)
+    finally:
+        checkpoints.close()
+
+
+def test_olmo_core_checkpoint_imports_bit_for_bit_and_restores_in_train(olmo_core_step, recipe, tmp_path):
+    import torch
+
+    step_dir, theirs, their_opt, skipped = olmo_core_step
+    count = ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
+    step, model, state, _ = restore(tmp_path / "run", recipe)
+    opt = state["opt"]
+    assert step == 0 and isinstance(opt, train.OptState)
+    # Adam's count is what OLMo-core's optimizer kept: the spike was skipped and did not count.
+    params = dict(theirs.named_parameters())
+    their_steps = {float(their_opt.state[p]["step"]) for p in params.values()}
+    assert SPIKE in skipped and len(skipped) < STEPS - 1  # the spike, and no more than one other
+    assert their_steps == {STEPS - len(skipped)} and count == float(opt.count) == STEPS - len(skipped)
+    assert int(opt.seen) == 0 and not np.asarray(opt.losses).any()  # the skip window starts empty
+    cfg = olmo3.PRESETS[recipe.preset]
+    for name, ours in [("weights", model), ("exp_avg", opt.mu), ("exp_avg_sq", opt.nu)]:
+        for fqn, got in olmo_core_layout(ours, cfg).items():
+            want = params[fqn].detach() if name == "weights" else their_opt.state[params[fqn]][name]
+            np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{name} of {fqn}")
+    # The layouts are right (not just the same numbers in our own mapping): OLMo-core's logits.
+    ids = np.random.default_rng(0).integers(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        want = theirs(torch.as_tensor(ids)).numpy()
+    got = np.asarray(model(jnp.asarray(ids)))[..., :VOCAB]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def ckpt_cli(*args):
+    return subprocess.run(
+        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def copy_of(step_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "step"
+    shutil.copytree(step_dir, copy)
+    return copy
+
+
+def refused(step_dir, run_dir, *flags) -> str:
+    """ckpt.py from-olmo-core refuses in one line (exit 1) and leaves no run directory."""
+    proc = ckpt_cli("from-olmo-core", step_dir, run_dir, "--preset", "tiny", *flags)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    assert not Path(run_dir).exists()
+    return lines[0]
+
+
+def test_truncated_distcp_is_named(olmo_core_step, tmp_path):
+    step_dir = copy_of(olmo_core_step[0], tmp_path)
+    largest = max((step_dir / "model_and_optim").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    line = refused(step_dir, tmp_path / "run")
+    assert str(largest) in line and "cut short" in line
+
+
+def test_missing_metadata_is_named(olmo_core_step, tmp_path):
+    step_dir = copy_of(olmo_core_step[0], tmp_path)
+    (step_dir / "model_and_optim" / ".metadata").unlink()
+    line = refused(step_dir, tmp_path / "run")
+    assert str(step_dir / "model_and_optim" / ".metadata") in line and "not found" in line
+
+
+def test_checkpoint_of_another_model_names_what_differs(olmo_core_step, tmp_path):
+    # The tiny preset (4 layers of 256) against OLMo-core's 2 layers of 128.
+    line = refused(olmo_core_step[0], tmp_path / "run")
+    assert "another model than --preset tiny" in line
+    assert (
+        "n_layers 2 (checkpoint) vs 4 (preset); d_model 128 (checkpoint) vs 256 (preset); vocab rows" in line
+    )
+    assert "model.embeddings.weight [256, 128] (checkpoint) vs [8192, 256] (preset)" in line
+
+
+def test_checkpoint_of_another_width_is_refused(recipe, tmp_path):
+    step_dir = tmp_path / "narrow"
+    olmo_core_train(step_dir, olmo_core_config(d_model=64), spike=None)
+    with pytest.raises(
+        ValueError,
+        match=r"another model than --preset olmo-core-14m: d_model 64 \(checkpoint\) vs 128 \(preset\); .*embeddings.weight \[256, 64\] \(checkpoint\) vs \[256, 128\]",
+    ):
+        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
+    assert not (tmp_path / "run").exists()
+
+
+def test_differing_adam_counts_name_the_parameters(recipe, tmp_path):
+    step_dir = tmp_path / "behind"
+    _, opt, _ = olmo_core_train(step_dir, olmo_core_config(), spike=None, stop_one="lm_head.w_out.weight")
+    counts = [float(state["step"]) for state in opt.state.values()]
+    most, behind = max(counts), min(counts)  # every parameter but the LM head has the larger count
+    assert counts.count(behind) == 1 and most == behind + 1
+    with pytest.raises(
+        ValueError,
+        match=rf"step count is {most:g} for most parameters but {behind:g} for lm_head.w_out.weight;",
+    ):
+        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
+    assert not (tmp_path / "run").exists()
+
+
+def test_weights_without_optimizer_state_need_weights_only(olmo_core_step, recipe, tmp_path):
+    """A checkpoint saved without its optimizer is refused, unless --weights_only: then Adam starts at zero."""
+    from olmo_core.distributed.checkpoint import save_model_and_optim_state
+
+    step_dir = tmp_path / "nooptim"
+    save_model_and_optim_state(step_dir / "model_and_optim", olmo_core_step[1])
+    with pytest.raises(ValueError, match="holds no optimizer state .* pass --weights_only"):
+        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
+    assert not (tmp_path / "run").exists()
+    assert ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe, weights_only=True) is None
+    step, model, state, _ = restore(tmp_path / "run", recipe)
+    assert state is None  # train.py then starts Adam from zero (restore_or_init's make_opt)
+    want = olmo_core_step[1].embeddings.weight.detach()
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens), want.numpy())
