@@ -46,28 +46,39 @@ def our_config() -> olmo3.Olmo3Config:
     return dataclasses.replace(olmo3.PRESETS["tiny"], **fields, max_seq_len=64)
 
 
-def olmo_core_train(step_dir: Path, config, spike: int | None = SPIKE, stop_one: str | None = None):
+def olmo_core_train(
+    step_dir: Path, config, spike: int | None = SPIKE, stop_one: str | None = None, optim=True
+):
     """Train OLMo-core's model STEPS steps with its SkipStepAdamW (embeddings without weight decay, as the
-    recipe), the loss at step `spike` made a spike so that the step is skipped, and save the model and
-    optimizer with OLMo-core's checkpointer in step_dir/model_and_optim, beside the config.json its trainer
-    writes. `stop_one`: that parameter gets no gradient in the last step (its Adam count falls behind).
-    Returns the model, the optimizer and the steps it skipped."""
+    recipe), FSDP-sharded over the ranks of the process group if there is one, the loss at step `spike` made
+    a spike so that the step is skipped; and save the model and (if `optim`) the optimizer with OLMo-core's
+    checkpointer in step_dir/model_and_optim, beside the config.json its trainer writes. `stop_one`: that
+    parameter gets no gradient in the last step (its Adam count falls behind). Returns what the model and
+    optimizer held, whole ({name: {"weight", "exp_avg", "exp_avg_sq", "step"}}), and the steps skipped."""
     import torch
+    import torch.distributed as dist
     from olmo_core.distributed.checkpoint import save_model_and_optim_state
     from olmo_core.optim.adamw import SkipStepAdamW
+    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = config.build(init_device="cpu")
     model.init_weights(device=torch.device("cpu"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dist.is_initialized():
+        for block in model.blocks.values():
+            fully_shard(block)
+        fully_shard(model)
     params = dict(model.named_parameters())
     groups = [
         {"params": [params["embeddings.weight"]], "weight_decay": 0.0},
         {"params": [p for k, p in params.items() if k != "embeddings.weight"]},
     ]
     opt = SkipStepAdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, rolling_interval_length=8)
+    batches = torch.Generator().manual_seed(rank)  # each rank its own batch
     skipped = []
     for step in range(1, STEPS + 1):
-        ids = torch.randint(0, VOCAB, (2, 16))
+        ids = torch.randint(0, VOCAB, (2, 16), generator=batches)
         loss = torch.nn.functional.cross_entropy(
             model(ids)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)
         )
@@ -75,22 +86,55 @@ def olmo_core_train(step_dir: Path, config, spike: int | None = SPIKE, stop_one:
         if stop_one and step == STEPS:
             params[stop_one].grad = None  # torch's Adam leaves a parameter without a gradient alone
         opt.latest_loss = loss.detach() * (1e6 if step == spike else 1.0)
-        opt.latest_grad_norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in model.parameters() if p.grad is not None]
-        )
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        opt.latest_grad_norm = whole(norm)
         opt.step()
         skipped += [step] if opt.step_skipped else []
         opt.zero_grad()
-    save_model_and_optim_state(step_dir / "model_and_optim", model, opt)
+    save_model_and_optim_state(step_dir / "model_and_optim", model, opt if optim else None)
     (step_dir / "config.json").write_text(json.dumps({"model": config.as_config_dict()}, default=str))
-    return model, opt, skipped
+    held = {
+        name: {"weight": whole(p.detach())} | {k: whole(v) for k, v in opt.state[p].items()}
+        for name, p in params.items()
+    }
+    return held, skipped
+
+
+def whole(t):
+    """A tensor whole: an FSDP shard (a DTensor) gathered from every rank."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def olmo_core_rank(rank: int, port: int, step_dir: Path) -> None:
+    """One of two ranks of a gloo process group (the CPU's) training and saving OLMo-core's model FSDP-sharded;
+    rank 0 keeps what it held in step_dir's parent directory, reference.pt."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        held, skipped = olmo_core_train(step_dir, olmo_core_config())
+        if rank == 0:
+            torch.save({"held": held, "skipped": skipped}, step_dir.parent / "reference.pt")
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def olmo_core_step(tmp_path_factory):
-    """An OLMo-core step directory, and what OLMo-core's model and optimizer held when they saved it."""
-    step_dir = tmp_path_factory.mktemp("olmo-core") / "step4"
-    return step_dir, *olmo_core_train(step_dir, olmo_core_config())
+    """An OLMo-core step directory written by two FSDP ranks (each tensor in two chunks), and what OLMo-core's
+    model and optimizer held, whole, when they saved it, with the steps it skipped."""
+    import socket
+
+    import torch
+
+    step_dir = tmp_path_factory.mktemp("olmo-core") / "step5"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(olmo_core_rank, args=(port, step_dir), nprocs=2)
+    reference = torch.load(step_dir.parent / "reference.pt")
+    return step_dir, reference["held"], reference["skipped"]
 
 
 @pytest.fixture
@@ -128,23 +172,25 @@ def restore(run_dir, recipe):
 def test_olmo_core_checkpoint_imports_bit_for_bit_and_restores_in_train(olmo_core_step, recipe, tmp_path):
     import torch
 
-    step_dir, theirs, their_opt, skipped = olmo_core_step
+    step_dir, held, skipped = olmo_core_step
+    chunks = {len(t.chunks) for t in ckpt.read_dcp_metadata(step_dir).values() if t.shape}
+    assert chunks == {2}  # FSDP's shards, placed at their offsets
     count = ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
     step, model, state, _ = restore(tmp_path / "run", recipe)
     opt = state["opt"]
     assert step == 0 and isinstance(opt, train.OptState)
     # Adam's count is what OLMo-core's optimizer kept: the spike was skipped and did not count.
-    params = dict(theirs.named_parameters())
-    their_steps = {float(their_opt.state[p]["step"]) for p in params.values()}
     assert SPIKE in skipped and len(skipped) < STEPS - 1  # the spike, and no more than one other
-    assert their_steps == {STEPS - len(skipped)} and count == float(opt.count) == STEPS - len(skipped)
+    assert {float(h["step"]) for h in held.values()} == {STEPS - len(skipped)}
+    assert count == float(opt.count) == STEPS - len(skipped)
     assert int(opt.seen) == 0 and not np.asarray(opt.losses).any()  # the skip window starts empty
     cfg = olmo3.PRESETS[recipe.preset]
-    for name, ours in [("weights", model), ("exp_avg", opt.mu), ("exp_avg_sq", opt.nu)]:
+    for name, ours in [("weight", model), ("exp_avg", opt.mu), ("exp_avg_sq", opt.nu)]:
         for fqn, got in olmo_core_layout(ours, cfg).items():
-            want = params[fqn].detach() if name == "weights" else their_opt.state[params[fqn]][name]
-            np.testing.assert_array_equal(got, want.numpy(), err_msg=f"{name} of {fqn}")
+            np.testing.assert_array_equal(got, held[fqn][name].numpy(), err_msg=f"{name} of {fqn}")
     # The layouts are right (not just the same numbers in our own mapping): OLMo-core's logits.
+    theirs = olmo_core_config().build(init_device="cpu")
+    theirs.load_state_dict({fqn: h["weight"] for fqn, h in held.items()})
     ids = np.random.default_rng(0).integers(0, VOCAB, (1, 24))
     with torch.no_grad():
         want = theirs(torch.as_tensor(ids)).numpy()
@@ -211,8 +257,8 @@ def test_checkpoint_of_another_width_is_refused(recipe, tmp_path):
 
 def test_differing_adam_counts_name_the_parameters(recipe, tmp_path):
     step_dir = tmp_path / "behind"
-    _, opt, _ = olmo_core_train(step_dir, olmo_core_config(), spike=None, stop_one="lm_head.w_out.weight")
-    counts = [float(state["step"]) for state in opt.state.values()]
+    held, _ = olmo_core_train(step_dir, olmo_core_config(), spike=None, stop_one="lm_head.w_out.weight")
+    counts = [float(h["step"]) for h in held.values()]
     most, behind = max(counts), min(counts)  # every parameter but the LM head has the larger count
     assert counts.count(behind) == 1 and most == behind + 1
     with pytest.raises(
@@ -223,17 +269,14 @@ def test_differing_adam_counts_name_the_parameters(recipe, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_weights_without_optimizer_state_need_weights_only(olmo_core_step, recipe, tmp_path):
+def test_weights_without_optimizer_state_need_weights_only(recipe, tmp_path):
     """A checkpoint saved without its optimizer is refused, unless --weights_only: then Adam starts at zero."""
-    from olmo_core.distributed.checkpoint import save_model_and_optim_state
-
     step_dir = tmp_path / "nooptim"
-    save_model_and_optim_state(step_dir / "model_and_optim", olmo_core_step[1])
+    held, _ = olmo_core_train(step_dir, olmo_core_config(), spike=None, optim=False)
     with pytest.raises(ValueError, match="holds no optimizer state .* pass --weights_only"):
         ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
     assert not (tmp_path / "run").exists()
     assert ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe, weights_only=True) is None
     step, model, state, _ = restore(tmp_path / "run", recipe)
     assert state is None  # train.py then starts Adam from zero (restore_or_init's make_opt)
-    want = olmo_core_step[1].embeddings.weight.detach()
-    np.testing.assert_array_equal(np.asarray(model.embed_tokens), want.numpy())
+    np.testing.assert_array_equal(np.asarray(model.embed_tokens), held["embeddings.weight"]["weight"].numpy())
