@@ -4,7 +4,6 @@ weights and both Adam moments bit for bit, Adam's count as OLMo-core kept it, th
 model, and a run directory train.py restores. Bad checkpoints are refused in one line, nothing written."""
 
 import dataclasses
-import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from olmo_core_runs import SPIKE, STEPS, VOCAB, olmo_core_config, olmo_core_rank, olmo_core_train
 from test_model import olmo_core_fields
 
 import ckpt
@@ -22,19 +22,6 @@ import shard
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB, LAYERS, STEPS, SPIKE = 256, 2, 5, 5  # OLMo-core trains STEPS steps; step SPIKE is a loss spike
-
-
-def olmo_core_config(d_model: int | None = None):
-    """OLMo-core's olmo3_14M shrunk to LAYERS layers (its sliding window pattern, the last layer full), on
-    torch's attention (the CPU has no flash attention); `d_model` for a model of another width."""
-    from olmo_core.nn.attention import AttentionBackendName
-    from olmo_core.nn.transformer import TransformerConfig
-
-    config = TransformerConfig.olmo3_14M(
-        vocab_size=VOCAB, n_layers=LAYERS, attn_backend=AttentionBackendName.torch
-    )
-    return config if d_model is None else dataclasses.replace(config, d_model=d_model)
 
 
 def our_config() -> olmo3.Olmo3Config:
@@ -44,80 +31,6 @@ def our_config() -> olmo3.Olmo3Config:
     tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=1)
     fields = olmo_core_fields(olmo_core_config(), tokenizer)
     return dataclasses.replace(olmo3.PRESETS["tiny"], **fields, max_seq_len=64)
-
-
-def olmo_core_train(
-    step_dir: Path, config, spike: int | None = SPIKE, stop_one: str | None = None, optim=True
-):
-    """Train OLMo-core's model STEPS steps with its SkipStepAdamW (embeddings without weight decay, as the
-    recipe), FSDP-sharded over the ranks of the process group if there is one, the loss at step `spike` made
-    a spike so that the step is skipped; and save the model and (if `optim`) the optimizer with OLMo-core's
-    checkpointer in step_dir/model_and_optim, beside the config.json its trainer writes. `stop_one`: that
-    parameter gets no gradient in the last step (its Adam count falls behind). Returns what the model and
-    optimizer held, whole ({name: {"weight", "exp_avg", "exp_avg_sq", "step"}}), and the steps skipped."""
-    import torch
-    import torch.distributed as dist
-    from olmo_core.distributed.checkpoint import save_model_and_optim_state
-    from olmo_core.optim.adamw import SkipStepAdamW
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = config.build(init_device="cpu")
-    model.init_weights(device=torch.device("cpu"))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if dist.is_initialized():
-        for block in model.blocks.values():
-            fully_shard(block)
-        fully_shard(model)
-    params = dict(model.named_parameters())
-    groups = [
-        {"params": [params["embeddings.weight"]], "weight_decay": 0.0},
-        {"params": [p for k, p in params.items() if k != "embeddings.weight"]},
-    ]
-    opt = SkipStepAdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, rolling_interval_length=8)
-    batches = torch.Generator().manual_seed(rank)  # each rank its own batch
-    skipped = []
-    for step in range(1, STEPS + 1):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=batches)
-        loss = torch.nn.functional.cross_entropy(
-            model(ids)[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)
-        )
-        loss.backward()
-        if stop_one and step == STEPS:
-            params[stop_one].grad = None  # torch's Adam leaves a parameter without a gradient alone
-        opt.latest_loss = loss.detach() * (1e6 if step == spike else 1.0)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
-        opt.latest_grad_norm = whole(norm)
-        opt.step()
-        skipped += [step] if opt.step_skipped else []
-        opt.zero_grad()
-    save_model_and_optim_state(step_dir / "model_and_optim", model, opt if optim else None)
-    (step_dir / "config.json").write_text(json.dumps({"model": config.as_config_dict()}, default=str))
-    held = {
-        name: {"weight": whole(p.detach())} | {k: whole(v) for k, v in opt.state[p].items()}
-        for name, p in params.items()
-    }
-    return held, skipped
-
-
-def whole(t):
-    """A tensor whole: an FSDP shard (a DTensor) gathered from every rank."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def olmo_core_rank(rank: int, port: int, step_dir: Path) -> None:
-    """One of two ranks of a gloo process group (the CPU's) training and saving OLMo-core's model FSDP-sharded;
-    rank 0 keeps what it held in step_dir's parent directory, reference.pt."""
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        held, skipped = olmo_core_train(step_dir, olmo_core_config())
-        if rank == 0:
-            torch.save({"held": held, "skipped": skipped}, step_dir.parent / "reference.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +48,14 @@ def olmo_core_step(tmp_path_factory):
     torch.multiprocessing.spawn(olmo_core_rank, args=(port, step_dir), nprocs=2)
     reference = torch.load(step_dir.parent / "reference.pt")
     return step_dir, reference["held"], reference["skipped"]
+
+
+@pytest.fixture(scope="module")
+def one_process_step(tmp_path_factory):
+    """An OLMo-core step directory written by one process (each tensor one chunk): for the bad inputs."""
+    step_dir = tmp_path_factory.mktemp("olmo-core-one") / "step5"
+    olmo_core_train(step_dir, olmo_core_config())
+    return step_dir
 
 
 @pytest.fixture
@@ -169,6 +90,7 @@ def restore(run_dir, recipe):
         checkpoints.close()
 
 
+@pytest.mark.slow
 def test_olmo_core_checkpoint_imports_bit_for_bit_and_restores_in_train(olmo_core_step, recipe, tmp_path):
     import torch
 
@@ -219,24 +141,24 @@ def refused(step_dir, run_dir, *flags) -> str:
     return lines[0]
 
 
-def test_truncated_distcp_is_named(olmo_core_step, tmp_path):
-    step_dir = copy_of(olmo_core_step[0], tmp_path)
+def test_truncated_distcp_is_named(one_process_step, tmp_path):
+    step_dir = copy_of(one_process_step, tmp_path)
     largest = max((step_dir / "model_and_optim").glob("*.distcp"), key=lambda f: f.stat().st_size)
     largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
     line = refused(step_dir, tmp_path / "run")
     assert str(largest) in line and "cut short" in line
 
 
-def test_missing_metadata_is_named(olmo_core_step, tmp_path):
-    step_dir = copy_of(olmo_core_step[0], tmp_path)
+def test_missing_metadata_is_named(one_process_step, tmp_path):
+    step_dir = copy_of(one_process_step, tmp_path)
     (step_dir / "model_and_optim" / ".metadata").unlink()
     line = refused(step_dir, tmp_path / "run")
     assert str(step_dir / "model_and_optim" / ".metadata") in line and "not found" in line
 
 
-def test_checkpoint_of_another_model_names_what_differs(olmo_core_step, tmp_path):
+def test_checkpoint_of_another_model_names_what_differs(one_process_step, tmp_path):
     # The tiny preset (4 layers of 256) against OLMo-core's 2 layers of 128.
-    line = refused(olmo_core_step[0], tmp_path / "run")
+    line = refused(one_process_step, tmp_path / "run")
     assert "another model than --preset tiny" in line
     assert (
         "n_layers 2 (checkpoint) vs 4 (preset); d_model 128 (checkpoint) vs 256 (preset); vocab rows" in line
