@@ -1299,7 +1299,7 @@ def read_dcp_metadata(ckpt_dir: Path) -> dict[str, DcpTensor]:
             fqn: DcpTensor(
                 m.properties.state[0].__name__,
                 tuple(m.size.args[0]),
-                [_chunk(folder, c, where[fqn, tuple(c.offsets.args[0])]) for c in m.chunks],
+                [_chunk(folder, fqn, c, where[fqn, tuple(c.offsets.args[0])]) for c in m.chunks],
             )
             for fqn, m in meta.state_dict_metadata.items()
             if hasattr(m, "chunks")
@@ -1313,10 +1313,11 @@ def read_dcp_metadata(ckpt_dir: Path) -> dict[str, DcpTensor]:
     return tensors
 
 
-def _chunk(folder: Path, chunk, storage) -> tuple:
+def _chunk(folder: Path, fqn: str, chunk, storage) -> tuple:
     if getattr(storage, "transform_descriptors", None):
         raise ValueError(
-            f"chunk stored with {storage.transform_descriptors} (compressed?), not raw torch.save"
+            f"{folder / storage.relative_path}: {fqn} is stored with {storage.transform_descriptors} "
+            "(compressed?); expected plain torch.save blobs, as OLMo-core writes them"
         )
     offsets, sizes = tuple(chunk.offsets.args[0]), tuple(chunk.sizes.args[0])
     return offsets, sizes, folder / storage.relative_path, storage.offset, storage.length
@@ -1414,6 +1415,34 @@ def _olmo_core_shape(found: dict, cfg: Olmo3Config) -> str:
     return "".join(said)
 
 
+def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config, preset: str) -> None:
+    """What the tensors' shapes cannot tell (heads of the same width, RoPE, the window, the norms' eps) from
+    the config.json OLMo-core's trainer writes beside them, where there is one: refused naming the fields."""
+    file = ckpt_dir / "config.json"
+    if not file.is_file():
+        return
+    model = _read_json(file).get("model") or {}
+    block = model.get("block") or {}
+    attn = block.get("sequence_mixer") or block.get("attention") or {}  # "attention" in older OLMo-core
+    if not attn:
+        raise ValueError(
+            f"{file}: no model.block.sequence_mixer; expected the config.json of an OLMo-core run"
+        )
+    windows = [w for w in (attn.get("sliding_window") or {}).get("pattern", []) if w > 0]
+    found = {
+        "n_heads": attn.get("n_heads"),
+        "n_kv_heads": attn.get("n_kv_heads") or attn.get("n_heads"),
+        "rope theta": (attn.get("rope") or {}).get("theta"),
+        "sliding_window": max(windows, default=cfg.sliding_window),
+        "norm eps": (block.get("layer_norm") or {}).get("eps"),
+    }
+    ours = dict(
+        zip(found, (cfg.n_heads, cfg.n_kv_heads, cfg.rope_full.theta, cfg.sliding_window, cfg.norm_eps))
+    )
+    if diff := [f"{k} {v} (config.json) vs {ours[k]} (preset)" for k, v in found.items() if v != ours[k]]:
+        raise ValueError(f"{file} describes another model than --preset {preset}: {'; '.join(diff)}")
+
+
 def adam_count(tensors: dict, cfg: Olmo3Config, file: Path) -> float:
     """Adam's step count: OLMo-core keeps one per parameter (skipped steps do not advance it), train.py one
     for all, so they must agree; refused naming the parameters that differ."""
@@ -1436,6 +1465,7 @@ def load_olmo_core(ckpt_dir, cfg: Olmo3Config, preset: str, weights_only: bool =
     tensors = read_dcp_metadata(ckpt_dir)
     file = ckpt_dir / "model_and_optim" / ".metadata"
     check_olmo_core_model(tensors, cfg, preset, file, weights_only)
+    check_olmo_core_config(ckpt_dir, cfg, preset)
     names = list(olmo_core_names(cfg))
 
     def tree(pattern: str, like):

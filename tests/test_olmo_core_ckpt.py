@@ -4,6 +4,7 @@ weights and both Adam moments bit for bit, Adam's count as OLMo-core kept it, th
 model, and a run directory train.py restores. Bad checkpoints are refused in one line, nothing written."""
 
 import dataclasses
+import json
 import shutil
 import subprocess
 import sys
@@ -172,6 +173,19 @@ def test_checkpoint_of_another_width_is_refused(recipe, tmp_path):
     with pytest.raises(
         ValueError,
         match=r"another model than --preset olmo-core-14m: d_model 64 \(checkpoint\) vs 128 \(preset\); .*embeddings.weight \[256, 64\] \(checkpoint\) vs \[256, 128\]",
+    ):
+        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_json_of_other_heads_is_refused(one_process_step, recipe, tmp_path):
+    """The same shapes in another head layout (4 heads of 32 for 8 of 16): only config.json tells."""
+    step_dir = copy_of(one_process_step, tmp_path)
+    config = json.loads((step_dir / "config.json").read_text())
+    config["model"]["block"]["sequence_mixer"]["n_heads"] = 4
+    (step_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"config.json describes another model .*: n_heads 4 \(config.json\) vs 8"
     ):
         ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
     assert not (tmp_path / "run").exists()
