@@ -1,7 +1,7 @@
 """What a run leaves on disk and the formats it converts (the only file that imports orbax): the run
 directory (the lock that gives it one writer, the metrics log and progress bar, the loss plot, preemption,
-log.txt), the Orbax checkpoints of the training state, and Hugging Face `Olmo3ForCausalLM` directories in
-and out.
+log.txt), the Orbax checkpoints of the training state, Hugging Face `Olmo3ForCausalLM` directories in and
+out, and OLMo-core checkpoints (with their Adam state) in.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
@@ -1483,7 +1483,9 @@ def import_olmo_core(ckpt_dir, run_dir, train_cfg, weights_only: bool = False) -
     """An OLMo-core step directory as step 0 of a new run directory for train.py's recipe `train_cfg` (its
     preset's model, its skip-step window): the weights, both Adam moments and Adam's count, which train.py
     resumes as its optimizer state; the skip-step history starts empty, as OLMo-core's does after a load (it
-    is not saved). Everything is read and checked before RUN_DIR is touched. Returns Adam's count."""
+    is not saved). Everything is read and checked before RUN_DIR is touched. Reading holds one tensor beyond
+    what it has built, but the state is built whole in host memory before Orbax writes it (weights and two
+    moments in fp32, 12 bytes a parameter; Orbax copies it while it writes). Returns Adam's count."""
     import train  # its OptState is what a run restores (train.py imports this module, so not at the top)
 
     cfg = olmo3.PRESETS[train_cfg.preset]
