@@ -1,11 +1,12 @@
 """What a run leaves on disk and the formats it converts (the only file that imports orbax): the run
 directory (the lock that gives it one writer, the metrics log and progress bar, the loss plot, preemption,
-log.txt), the Orbax checkpoints of the training state, and Hugging Face `Olmo3ForCausalLM` directories in
-and out.
+log.txt), the Orbax checkpoints of the training state, Hugging Face `Olmo3ForCausalLM` directories in and
+out, and OLMo-core checkpoints (with their Adam state) in.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
     python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
+    python ckpt.py from-olmo-core STEP_DIR RUN_DIR --preset 7b  # OLMo-core weights + Adam state -> step 0
 
 A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
 that stopped the run), `lock` while a run writes to it, and `checkpoints/<step>/` with three Orbax items:
@@ -18,15 +19,18 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import signal
 import socket
 import sys
 import time
+import zipfile
 from collections import deque
 from pathlib import Path
 
@@ -768,12 +772,13 @@ def hf_names(cfg: Olmo3Config):
     yield "lm_head", None, "lm_head.weight", 1
 
 
-def _leaf(model, path: str):
+def leaf_at(model, path: str):
+    """The leaf at dotted `path` ("layers.mlp.up_proj") of a model or of moments shaped like it."""
     return functools.reduce(getattr, path.split("."), model)
 
 
 def _set_leaf(model, path: str, value):
-    return eqx.tree_at(lambda m: _leaf(m, path), model, value)
+    return eqx.tree_at(lambda m: leaf_at(m, path), model, value)
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int, vocab: int | None) -> tuple[int, ...]:
@@ -1012,27 +1017,37 @@ def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
             f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM"
         )
 
-    model = olmo3.abstract(cfg, compute)
     handles = {f: _open_safetensors(f) for f in set(files.values())}
+
+    def read(name, want):
+        t = handles[files[name]].get_tensor(name)
+        if t.shape != want:
+            raise ValueError(f"{files[name]}: tensor {name} has shape {list(t.shape)}, expected {list(want)}")
+        return t
+
+    return assemble(olmo3.abstract(cfg, compute), hf_names(cfg), read, cfg.vocab_size, shardings)
+
+
+def assemble(tree, names, read, vocab: int, shardings=None):
+    """`tree` (an abstract model, or moments shaped like it) with each leaf built from tensors in HF's layout:
+    `names` yields (our leaf, layer index or None, tensor name, n_in) as hf_names does, `read(name, shape)`
+    returns that tensor checked to be of that shape (embedding and LM head with `vocab` rows). Host memory
+    holds the tree plus one stacked leaf; with `shardings` (a pytree like the model, from shard.py) each
+    leaf goes straight to its devices."""
     by_leaf = {}
-    for leaf, layer, name, n_in in hf_names(cfg):
+    for leaf, layer, name, n_in in names:
         by_leaf.setdefault(leaf, []).append((layer, name, n_in))
     for leaf, entries in by_leaf.items():
-        target = _leaf(model, leaf)
+        target = leaf_at(tree, leaf)
         host = np.empty(target.shape, np.float32)
         for layer, name, n_in in entries:
             shape = target.shape[1:] if layer is not None else target.shape
-            want = _hf_shape(shape, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None)
-            t = handles[files[name]].get_tensor(name)
-            if t.shape != want:
-                raise ValueError(
-                    f"{files[name]}: tensor {name} has shape {list(t.shape)}, expected {list(want)}"
-                )
+            t = read(name, _hf_shape(shape, n_in, vocab if leaf in VOCAB_LEAVES else None))
             host[layer if layer is not None else ...] = hf_to_ours(t, shape, n_in, leaf in VOCAB_LEAVES)
-        sharding = _leaf(shardings, leaf) if shardings is not None else None
-        model = _set_leaf(model, leaf, jax.device_put(host, sharding))
+        sharding = leaf_at(shardings, leaf) if shardings is not None else None
+        tree = _set_leaf(tree, leaf, jax.device_put(host, sharding))
         del host
-    return model
+    return tree
 
 
 def _fresh_dir(out: Path) -> Path:
@@ -1071,7 +1086,7 @@ def save_hf(
         current, size = {}, 0
 
     for leaf, layer, name, n_in in hf_names(cfg):
-        w = np.asarray(jax.device_get(_leaf(model, leaf) if layer is None else _leaf(model, leaf)[layer]))
+        w = np.asarray(jax.device_get(leaf_at(model, leaf) if layer is None else leaf_at(model, leaf)[layer]))
         t = np.ascontiguousarray(
             ours_to_hf(w, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None).astype(np_dtype)
         )
@@ -1154,6 +1169,13 @@ def preset_of(cfg: Olmo3Config) -> str | None:
 def import_hf(hf_dir, run_dir) -> Olmo3Config:
     """An HF directory as step 0 of a new run directory, which `train.py --run_dir RUN_DIR` continues."""
     model = load_hf(hf_dir)
+    write_first_step(run_dir, model, None, hf_dir)
+    return model.cfg
+
+
+def write_first_step(run_dir, model: Olmo3, train_state: dict | None, source) -> None:
+    """Step 0 of a new run directory: `model` and, if given, train.py's {"opt": ..., "key": ...}; the meta
+    names the model and `source` but no recipe, so any recipe of this model may continue from it."""
     with RunLock(run_dir):
         ckpts = Checkpoints(run_dir)
         try:
@@ -1161,12 +1183,321 @@ def import_hf(hf_dir, run_dir) -> Olmo3Config:
                 raise FileExistsError(
                     f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory"
                 )
-            ckpts.save(
-                0, model, meta={"model": config_to_hf(model.cfg), "source": str(Path(hf_dir).absolute())}
-            )
+            meta = {"model": config_to_hf(model.cfg), "source": str(Path(source).absolute())}
+            ckpts.save(0, model, train_state, meta=meta)
         finally:
             ckpts.close()
-    return model.cfg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OLMo-core conversion: a step directory as OLMo-core's trainer writes it (`config.json`, `train/rank*.pt`,
+# `model_and_optim/.metadata` and `__<rank>_<n>.distcp`: a torch distributed checkpoint) as step 0 of a run,
+# with its Adam moments and step count. Nothing here imports torch: `.metadata` is a pickle of torch classes
+# and each chunk's bytes a `torch.save` zip (filesystem.py's FileSystemWriter: data.pkl + the raw storage),
+# both read by a restricted unpickler that builds plain stand-ins; the tensor bytes are read with numpy.
+
+# OLMo-core's parameter names for HF's (olmo_core/nn/hf/convert.py; OLMo 3's block is the reordered-norm one,
+# whose norms come after attention and MLP). q, k and v are separate Linear weights, [out, in] as in HF.
+OLMO_CORE_MODEL_KEYS = {
+    "model.embed_tokens.weight": "embeddings.weight",
+    "model.norm.weight": "lm_head.norm.weight",
+    "lm_head.weight": "lm_head.w_out.weight",
+}
+OLMO_CORE_LAYER_KEYS = {
+    "self_attn.q_proj.weight": "attention.w_q.weight",
+    "self_attn.k_proj.weight": "attention.w_k.weight",
+    "self_attn.v_proj.weight": "attention.w_v.weight",
+    "self_attn.o_proj.weight": "attention.w_out.weight",
+    "self_attn.q_norm.weight": "attention.q_norm.weight",
+    "self_attn.k_norm.weight": "attention.k_norm.weight",
+    "post_attention_layernorm.weight": "attention_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "post_feedforward_layernorm.weight": "feed_forward_norm.weight",
+}
+# The optimizer state OLMo-core's AdamW and SkipStepAdamW keep per parameter, as the checkpoint names it.
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+DCP_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16, "float64": np.float64}
+TORCH_STORAGES = {"FloatStorage": np.float32, "BFloat16Storage": jnp.bfloat16, "HalfStorage": np.float16}
+
+
+def olmo_core_names(cfg: Olmo3Config):
+    """hf_names with OLMo-core's parameter names: (our leaf, layer index or None, OLMo-core name, n_in)."""
+    for leaf, layer, name, n_in in hf_names(cfg):
+        suffix = name.removeprefix(f"model.layers.{layer}.")
+        yield (
+            leaf,
+            layer,
+            OLMO_CORE_MODEL_KEYS.get(name) or f"blocks.{layer}.{OLMO_CORE_LAYER_KEYS[suffix]}",
+            n_in,
+        )
+
+
+class TorchObject:
+    """A stand-in for a torch object in a pickle: its constructor's arguments and its pickled fields."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, dict):  # a dataclass's fields
+            self.__dict__.update(state)
+        else:  # its own __getstate__'s value (TensorProperties: dtype, layout, requires_grad, ...)
+            self.state = state
+
+
+def _tensor_ref(storage, offset, size, stride, *_):
+    return storage, offset, tuple(size), tuple(stride)
+
+
+class TorchUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` or a `torch.save` tensor without torch: torch's classes (and OLMo-core's
+    checkpoint writer's) become TorchObject subclasses of their name, a tensor becomes (storage (type name, key), offset, size, stride). Anything
+    else outside a few containers is refused: a pickle can run code, and a checkpoint holds no code."""
+
+    def find_class(self, module, name):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _tensor_ref
+        if module.split(".")[0] == "torch" or module.startswith("olmo_core.distributed.checkpoint"):
+            return type(name, (TorchObject,), {})  # OLMo-core's writer records chunks in its own _StorageInfo
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        raise pickle.UnpicklingError(f"{module}.{name} has no place in a torch checkpoint")
+
+    def persistent_load(self, pid):  # ("storage", storage class, key, location, numel)
+        return pid[1].__name__, pid[2]
+
+
+@dataclasses.dataclass
+class DcpTensor:
+    """One tensor of a torch distributed checkpoint: its dtype, global shape, and chunks as (offsets, sizes,
+    file, byte offset, byte length), each chunk's bytes one torch.save blob."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], Path, int, int]]
+
+
+def read_dcp_metadata(ckpt_dir: Path) -> dict[str, DcpTensor]:
+    """Every tensor of CHECKPOINT_DIR/model_and_optim by name (non-tensor values, such as the param groups'
+    settings, left out), each chunk's file checked to hold its bytes; or one line naming the file."""
+    folder = ckpt_dir / "model_and_optim"
+    file = folder / ".metadata"
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} not found: is {ckpt_dir} an OLMo-core step directory (model_and_optim/.metadata and "
+            "__*_*.distcp)? An interrupted download or copy leaves it out; fetch it again"
+        )
+    try:
+        with open(file, "rb") as f:
+            meta = TorchUnpickler(f).load()
+        where = {  # a chunk's place by (name, offsets); non-tensor values have no offsets
+            (i.fqn, tuple(i.offset.args[0])): s for i, s in meta.storage_data.items() if hasattr(i, "offset")
+        }
+        tensors = {
+            fqn: DcpTensor(
+                m.properties.state[0].__name__,
+                tuple(m.size.args[0]),
+                [_chunk(folder, fqn, c, where[fqn, tuple(c.offsets.args[0])]) for c in m.chunks],
+            )
+            for fqn, m in meta.state_dict_metadata.items()
+            if hasattr(m, "chunks")
+        }
+    except (pickle.UnpicklingError, EOFError, AttributeError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(
+            f"{file}: not the metadata of a torch distributed checkpoint ({type(e).__name__}: {e}); cut short?"
+        ) from None
+    for fqn, t in tensors.items():
+        _check_chunk_files(fqn, t)
+    return tensors
+
+
+def _chunk(folder: Path, fqn: str, chunk, storage) -> tuple:
+    if getattr(storage, "transform_descriptors", None):
+        raise ValueError(
+            f"{folder / storage.relative_path}: {fqn} is stored with {storage.transform_descriptors} "
+            "(compressed?); expected plain torch.save blobs, as OLMo-core writes them"
+        )
+    offsets, sizes = tuple(chunk.offsets.args[0]), tuple(chunk.sizes.args[0])
+    return offsets, sizes, folder / storage.relative_path, storage.offset, storage.length
+
+
+def _check_chunk_files(fqn: str, t: DcpTensor) -> None:
+    for _, _, file, start, length in t.chunks:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found; the checkpoint's .metadata places {fqn} there")
+        if (size := file.stat().st_size) < start + length:
+            raise ValueError(
+                f"{file}: {size} bytes, but {fqn} lies at bytes {start}-{start + length}: cut short by an "
+                "interrupted download or copy? Fetch it again"
+            )
+
+
+def read_dcp_tensor(fqn: str, t: DcpTensor) -> np.ndarray:
+    """Tensor `fqn` whole, each chunk placed at its offsets: memory holds the tensor and one chunk's blob."""
+    out = np.empty(t.shape, DCP_DTYPES[t.dtype])
+    for offsets, sizes, file, start, length in t.chunks:
+        with open(file, "rb") as f:
+            f.seek(start)
+            chunk = torch_saved_tensor(f.read(length), f"{file}: bytes {start}-{start + length} ({fqn})")
+        if chunk.shape != sizes:
+            raise ValueError(f"{file}: the chunk of {fqn} at {list(offsets)} has shape {list(chunk.shape)}")
+        out[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))] = chunk
+    return out
+
+
+def torch_saved_tensor(blob: bytes, where: str) -> np.ndarray:
+    """The tensor in one `torch.save` blob (a zip: data.pkl describes it, data/<key> is its raw storage)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+            root = pkl.removesuffix("data.pkl")
+            if root + "byteorder" in z.namelist() and z.read(root + "byteorder") != b"little":
+                raise ValueError("big-endian tensor")
+            (kind, key), offset, size, stride = TorchUnpickler(io.BytesIO(z.read(pkl))).load()
+            storage = np.frombuffer(z.read(f"{root}data/{key}"), TORCH_STORAGES[kind])
+    except (zipfile.BadZipFile, StopIteration, KeyError, ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"{where}: not a torch.save tensor ({type(e).__name__}: {e}); damaged?") from None
+    item = storage.itemsize
+    return np.lib.stride_tricks.as_strided(storage[offset:], size, [s * item for s in stride]).copy()
+
+
+def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, preset: str, file: Path, weights_only: bool):
+    """The checkpoint must hold the preset's model, and Adam's state for each parameter unless
+    `weights_only`: refused before anything is read, naming what differs."""
+    model = olmo3.abstract(cfg)
+    expected = {}
+    for leaf, layer, fqn, n_in in olmo_core_names(cfg):
+        shape = leaf_at(model, leaf).shape[1 if layer is not None else 0 :]
+        want = _hf_shape(shape, n_in, cfg.padded_vocab if leaf in VOCAB_LEAVES else None)
+        expected[f"model.{fqn}"] = want
+        expected.update(
+            {f"optim.state.{fqn}.{m}": want for m in ADAM_MOMENTS} | {f"optim.state.{fqn}.step": ()}
+        )
+    found = {k: t.shape for k, t in tensors.items() if k.startswith("model.") or k.startswith("optim.state.")}
+    if not weights_only and not any(k.startswith("optim.state.") for k in found):
+        raise ValueError(
+            f"{file} holds no optimizer state (no optim.state.* tensors: saved without it?); pass "
+            "--weights_only to import the weights alone (Adam's moments and count then start from zero)"
+        )
+    if weights_only:
+        expected = {k: v for k, v in expected.items() if k.startswith("model.")}
+        found = {k: v for k, v in found.items() if k.startswith("model.")}
+    diff = [
+        f"{k} {list(found[k])} (checkpoint) vs {list(v)} (preset)"
+        for k, v in expected.items()
+        if k in found and found[k] != v
+    ]
+    diff += [f"{k} missing" for k in expected if k not in found]
+    diff += [f"{k} not in the preset's model" for k in found if k not in expected]
+    if diff:
+        diff.sort(key=lambda d: d.startswith("optim."))  # the weights first: the moments repeat them
+        raise ValueError(
+            f"{file} holds another model than --preset {preset}: {_olmo_core_shape(found, cfg)}"
+            f"{'; '.join(diff[:3])}{f' ({len(diff)} differences)' if len(diff) > 3 else ''}"
+        )
+
+
+def _olmo_core_shape(found: dict, cfg: Olmo3Config) -> str:
+    """The checkpoint's layer count, width and vocabulary rows where they differ from `cfg`'s, in words."""
+    layers = len({k.split(".")[2] for k in found if k.startswith("model.blocks.")})
+    rows, width = found.get("model.embeddings.weight", (None, None))
+    said = [
+        f"{what} {a} (checkpoint) vs {b} (preset); "
+        for what, a, b in [
+            ("n_layers", layers, cfg.n_layers),
+            ("d_model", width, cfg.d_model),
+            ("vocab rows", rows, cfg.padded_vocab),
+        ]
+        if a != b
+    ]
+    return "".join(said)
+
+
+def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config, preset: str) -> None:
+    """What the tensors' shapes cannot tell (heads of the same width, RoPE, the window, the norms' eps) from
+    the config.json OLMo-core's trainer writes beside them, where there is one: refused naming the fields."""
+    file = ckpt_dir / "config.json"
+    if not file.is_file():
+        return
+    model = _read_json(file).get("model") or {}
+    block = model.get("block") or {}
+    attn = block.get("sequence_mixer") or block.get("attention") or {}  # "attention" in older OLMo-core
+    if not attn:
+        raise ValueError(
+            f"{file}: no model.block.sequence_mixer; expected the config.json of an OLMo-core run"
+        )
+    windows = [w for w in (attn.get("sliding_window") or {}).get("pattern", []) if w > 0]
+    found = {
+        "n_heads": attn.get("n_heads"),
+        "n_kv_heads": attn.get("n_kv_heads") or attn.get("n_heads"),
+        "rope theta": (attn.get("rope") or {}).get("theta"),
+        "sliding_window": max(windows, default=cfg.sliding_window),
+        "norm eps": (block.get("layer_norm") or {}).get("eps"),
+    }
+    ours = dict(
+        zip(found, (cfg.n_heads, cfg.n_kv_heads, cfg.rope_full.theta, cfg.sliding_window, cfg.norm_eps))
+    )
+    if diff := [f"{k} {v} (config.json) vs {ours[k]} (preset)" for k, v in found.items() if v != ours[k]]:
+        raise ValueError(f"{file} describes another model than --preset {preset}: {'; '.join(diff)}")
+
+
+def adam_count(tensors: dict, cfg: Olmo3Config, file: Path) -> float:
+    """Adam's step count: OLMo-core keeps one per parameter (skipped steps do not advance it), train.py one
+    for all, so they must agree; refused naming the parameters that differ."""
+    keys = {fqn: f"optim.state.{fqn}.step" for _, _, fqn, _ in olmo_core_names(cfg)}
+    steps = {fqn: float(read_dcp_tensor(k, tensors[k])) for fqn, k in keys.items()}
+    common = max(set(steps.values()), key=list(steps.values()).count)
+    if odd := {fqn: s for fqn, s in steps.items() if s != common}:
+        raise ValueError(
+            f"{file}: Adam's step count is {common:g} for most parameters but "
+            + ", ".join(f"{s:g} for {fqn}" for fqn, s in list(odd.items())[:4])
+            + "; train.py keeps one count for all parameters and cannot continue this state"
+        )
+    return common
+
+
+def load_olmo_core(ckpt_dir, cfg: Olmo3Config, preset: str, weights_only: bool = False):
+    """An OLMo-core step directory as (our model, (first moments, second moments, Adam's count) or None
+    with `weights_only`), checked against `cfg` first and read one tensor at a time."""
+    ckpt_dir = Path(ckpt_dir)
+    tensors = read_dcp_metadata(ckpt_dir)
+    file = ckpt_dir / "model_and_optim" / ".metadata"
+    check_olmo_core_model(tensors, cfg, preset, file, weights_only)
+    check_olmo_core_config(ckpt_dir, cfg, preset)
+    names = list(olmo_core_names(cfg))
+
+    def tree(pattern: str, like):
+        read = lambda fqn, _: read_dcp_tensor(pattern.format(fqn), tensors[pattern.format(fqn)])
+        return assemble(like, names, read, cfg.padded_vocab)
+
+    model = tree("model.{}", olmo3.abstract(cfg))
+    if weights_only:
+        return model, None
+    moments = [tree(f"optim.state.{{}}.{m}", eqx.filter(olmo3.abstract(cfg), is_array)) for m in ADAM_MOMENTS]
+    return model, (*moments, adam_count(tensors, cfg, file))
+
+
+def import_olmo_core(ckpt_dir, run_dir, train_cfg, weights_only: bool = False) -> float | None:
+    """An OLMo-core step directory as step 0 of a new run directory for train.py's recipe `train_cfg` (its
+    preset's model, its skip-step window): the weights, both Adam moments and Adam's count, which train.py
+    resumes as its optimizer state; the skip-step history starts empty, as OLMo-core's does after a load (it
+    is not saved). Everything is read and checked before RUN_DIR is touched. Reading holds one tensor beyond
+    what it has built, but the state is built whole in host memory before Orbax writes it (weights and two
+    moments in fp32, 12 bytes a parameter; Orbax copies it while it writes). Returns Adam's count."""
+    import train  # its OptState is what a run restores (train.py imports this module, so not at the top)
+
+    cfg = olmo3.PRESETS[train_cfg.preset]
+    model, adam = load_olmo_core(ckpt_dir, cfg, train_cfg.preset, weights_only)
+    state = None
+    if adam is not None:
+        mu, nu, count = adam
+        window = jnp.zeros(train_cfg.skip_window, jnp.float32)
+        opt = train.OptState(jnp.float32(count), mu, nu, window, window, jnp.zeros((), jnp.int32))
+        state = {"opt": opt, "key": jax.random.key_data(jax.random.key(train_cfg.init_seed))}
+    write_first_step(run_dir, model, state, ckpt_dir)
+    return None if adam is None else adam[2]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1213,6 +1544,18 @@ def main(argv: list[str]) -> int:
     p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
+    p = sub.add_parser(
+        "from-olmo-core",
+        help="import an OLMo-core step directory, with its Adam state, as step 0 of a new run",
+    )
+    p.add_argument("checkpoint_dir", help="OLMo-core's stepN/ (config.json, model_and_optim/, train/)")
+    p.add_argument("run_dir")
+    p.add_argument("--preset", default="7b", help="train.py's preset the checkpoint must be the model of")
+    p.add_argument(
+        "--weights_only",
+        action="store_true",
+        help="import the weights alone (a checkpoint saved without Adam)",
+    )
     args = parser.parse_args(argv)
     shard.quiet_libtpu()
     try:
@@ -1243,6 +1586,8 @@ def run_command(args) -> int:
         step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)
         print(f"wrote step {step} of {args.run_dir} to {args.out}")
         return 0
+    if args.command == "from-olmo-core":
+        return import_olmo_core_command(args)
     cfg = import_hf(args.hf_dir, args.run_dir)
     preset = preset_of(cfg)
     hint = (
@@ -1251,6 +1596,20 @@ def run_command(args) -> int:
         else "no preset of train.py has this model's shape; add one to olmo3.PRESETS and train.PRESETS"
     )
     print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with:\n  {hint}")
+    return 0
+
+
+def import_olmo_core_command(args) -> int:
+    import train
+
+    if args.preset not in train.PRESETS:
+        raise ValueError(f"--preset {args.preset}: expected one of {', '.join(train.PRESETS)}")
+    count = import_olmo_core(args.checkpoint_dir, args.run_dir, train.PRESETS[args.preset], args.weights_only)
+    adam = "weights only: Adam starts from zero" if count is None else f"Adam's moments, step count {count:g}"
+    print(
+        f"wrote {args.checkpoint_dir} ({adam}) as step 0 of {args.run_dir}; continue with:\n"
+        f"  python train.py --preset {args.preset} --run_dir {args.run_dir} --data YOUR_TOKEN_FILES"
+    )
     return 0
 
 
