@@ -850,7 +850,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
                 raise ValueError(value)
             cfg = with_flag(cfg, name, BOOLS[value.lower()] if kind is bool else kind(value))
         except ValueError as e:  # a value of the wrong type, or one the config refuses, naming its field
-            said = str(e).removeprefix("--")
+            said = str(e).removeprefix("--").removeprefix("Compute.")  # olmo3.Compute names its field
             expected = "true or false" if kind is bool else kind.__name__
             raise FlagError(
                 f"--{said}" if said.startswith(f"{name} ") else f"--{name} {value!r}: expected {expected}"
