@@ -374,7 +374,7 @@ def test_eval_only_replaces_its_row_and_leaves_the_config(env, tiny_data, refere
     for _ in range(2):
         out = run(env, run_dir, tiny_data, "--eval_only")
         assert out.returncode == 0, out.stderr[-3000:]
-    assert f"step {STEPS}: held-out loss" in out.stdout
+    assert f"step {STEPS}: held-out evaluation" in out.stdout
     evals = rows(run_dir, "eval_loss")
     assert [r["step"] for r in evals] == [STEPS]
     assert evals[0]["eval_loss"] == rows(reference[0], "eval_loss")[0]["eval_loss"]  # the same checkpoint
