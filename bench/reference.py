@@ -43,6 +43,8 @@ from pathlib import Path
 from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# compare.py beside this file, also when a test imports this one; then the project's modules.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compare  # bench/compare.py, beside this file
