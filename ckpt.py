@@ -22,12 +22,14 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import re
 import shutil
 import signal
 import socket
+import struct
 import sys
 import time
 import zipfile
@@ -213,18 +215,84 @@ def errors_logged(run_dir, unless: tuple = ()):
         raise
 
 
+# Our metrics row's keys under the names OLMo-core logs them (v3.0.0), so a W&B run overlays AI2's curves:
+# train/common.py (TRAIN_CE_LOSS_METRIC, OPTIM_GRAD_NORM_METRIC), train/train_module/transformer/
+# train_module.py ("Z loss", "LR (group i)", "step skipped", "masked instances (%)") and
+# train/callbacks/speed_monitor.py (throughput/...). Those OLMo-core counts per device are divided by the
+# devices (its TPS: a rank's tokens over the ranks sharing them); its MFU is a percentage; its masked
+# instances a proportion.
+OLMO_CORE_NAMES = {
+    "ce_loss": "train/CE loss",
+    "z_loss": "train/Z loss",  # with its multiplier, as OLMo-core's
+    "grad_norm": "optim/total grad norm",
+    "lr": "optim/LR (group 0)",
+    "skipped": "optim/step skipped",
+    "filtered": "train/masked instances (%)",
+    "tokens_per_s": "throughput/device/TPS",
+    "mfu": "throughput/device/MFU",
+    "tokens": "throughput/total tokens",
+    "data_wait_s": "throughput/device/data loading (s)",
+}
+
+
+def olmo_core_metrics(row: dict, devices: int, batch: int) -> dict:
+    """A metrics row as OLMo-core logs it; keys already in its form (eval/lm/..., eval/downstream/...) pass
+    unchanged. Left out: step (W&B's own), loss (CE + Z: OLMo-core logs the two), eval_loss and eval_ppl
+    (the first set's eval/lm/... again) and batch_hash (not a number)."""
+    scale = dict(tokens_per_s=1 / devices, mfu=100, filtered=1 / batch)
+    out = {k: v for k, v in row.items() if "/" in k}
+    out |= {name: row[k] * scale.get(k, 1) for k, name in OLMO_CORE_NAMES.items() if row.get(k) is not None}
+    if "lr" in row:  # OLMo 3's two groups (embeddings without weight decay, the rest) share the schedule
+        out["optim/LR (group 1)"] = row["lr"]
+    if row.get("ce_loss", math.inf) < 10:  # trainer.py adds train/PPL below a CE of 10
+        out["train/PPL"] = math.exp(row["ce_loss"])
+    return out
+
+
+def wandb_records(path: Path):
+    """The records (wandb's Record protos) of a W&B transaction log, run-ID.wandb: LevelDB's log format, a
+    7-byte file header, then 32 KiB blocks of chunks (CRC, length, type). A tail torn by a kill ends it."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, record = path.read_bytes(), 7, b""
+    while pos + 7 <= len(raw):
+        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _, size, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if kind == 0 or pos + 7 + size > len(raw):
+            return
+        record, pos = record + raw[pos + 7 : pos + 7 + size], pos + 7 + size
+        if kind in (1, 4):  # a full record, or a fragmented one's last chunk
+            yield wandb_internal_pb2.Record.FromString(record)
+            record = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbRun:
+    """Where --wandb logs (entity and credentials: wandb's environment), and what makes our rows OLMo-core's."""
+
+    project: str
+    name: str | None  # None: W&B names it
+    config: dict
+    devices: int
+    batch: int  # instances per step
+
+
 class MetricsLog:
     """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (eval rows carry eval_loss), as
-    of the checkpoint the run continues from; optionally TensorBoard too. Only process 0 writes."""
+    of the checkpoint the run continues from; optionally TensorBoard and Weights & Biases too. Only process 0
+    writes."""
 
-    def __init__(self, run_dir: Path, lead: bool, tensorboard: bool):
-        self.path, self.lead, self.tensorboard, self.file, self.tb = (
+    def __init__(self, run_dir: Path, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
+        self.path, self.lead, self.tensorboard, self.wandb = (
             run_dir / "metrics.jsonl",
             lead,
             tensorboard,
-            None,
-            None,
+            wandb,
         )
+        self.file = self.tb = self.wb = None
+        self.wb_held = -1  # the last step the W&B run holds
 
     def rewind(self, step: int, keep_eval: bool = True) -> None:
         """Drop the rows past `step` (the steps about to be taken again) and, unless keep_eval, step `step`'s
@@ -250,6 +318,8 @@ class MetricsLog:
         if not self.lead:
             return
         if self.file is None:
+            if self.wandb:  # first: it sends the rows already written that W&B lacks
+                self.open_wandb()
             try:
                 self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
             except OSError as e:
@@ -263,11 +333,49 @@ class MetricsLog:
         for k, v in row.items() if self.tb else ():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.tb.add_scalar(k, v, row["step"])
+        self.send(row)
+
+    def open_wandb(self) -> None:
+        """Continue the run directory's W&B run (its id in RUN_DIR/wandb_id) and send it the rows it lacks.
+        W&B history cannot be rewritten, and a killed process loses what wandb had not yet flushed, so what
+        the W&B run holds is asked of W&B itself: the server (the step of the next log) or, offline, the run's
+        transaction logs in RUN_DIR/wandb. Rows at steps it holds are never sent again (a step retaken after
+        a resume keeps its first values there: the same numbers, as a resume is exact, but for the
+        throughput); rows it lost are sent from metrics.jsonl."""
+        import wandb
+
+        id_file, cfg = self.path.parent / "wandb_id", self.wandb
+        run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B makes one
+        self.wb = wandb.init(
+            project=cfg.project,
+            name=cfg.name,
+            id=run_id,
+            resume="allow",
+            dir=self.path.parent,
+            config=cfg.config,
+        )
+        run_id = self.wb.id
+        data.write_atomic(id_file, run_id)
+        if self.wb.offline:
+            logs = self.path.parent.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")
+            held = (r.history.step.num for log in logs for r in wandb_records(log) if r.HasField("history"))
+            self.wb_held = max(held, default=-1)
+        else:
+            self.wb_held = self.wb.step - 1
+        for line in self.path.read_text().splitlines() if self.path.exists() else ():
+            self.send(json.loads(line))
+
+    def send(self, row: dict) -> None:
+        """One row to W&B at its step (a step's train and eval rows make one W&B row), unless W&B holds it."""
+        if self.wb is not None and row["step"] > self.wb_held:
+            self.wb.log(olmo_core_metrics(row, self.wandb.devices, self.wandb.batch), step=row["step"])
 
     def close(self) -> None:
         for f in (self.file, self.tb):
             if f is not None:
                 f.close()
+        if self.wb is not None:
+            self.wb.finish()
 
 
 class Progress:
@@ -307,7 +415,9 @@ class Progress:
         self.since = time.perf_counter()
 
 
-def plot_losses(run_dir: Path) -> None:
+def plot_losses(run_dir: Path) -> list[str]:
+    """RUN_DIR/loss.png: the train loss and each held-out set's CE loss over the steps. Returns the curves'
+    labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,18 +425,20 @@ def plot_losses(run_dir: Path) -> None:
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    held = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    held = dict.fromkeys(k for r in rows for k in r if k.startswith("eval/lm/") and k.endswith("/CE loss"))
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="train loss", lw=0.8)
-    if held:
-        ax.plot(*zip(*held), "o-", label="held-out loss")
+    for key in held:  # each held-out set's curve, labelled as OLMo-core labels it
+        label = key.removeprefix("eval/lm/").removesuffix("/CE loss")
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", label=f"held-out {label}", ms=3)
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run_dir.name}")
-    ax.legend()
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(run_dir / "loss.png", dpi=120)
     plt.close(fig)
+    return [line.get_label() for line in ax.get_lines()]
 
 
 class Preemption:

@@ -124,6 +124,9 @@ class TrainConfig:
     allow_config_change: bool = False  # resume although the recipe changed (e.g. more steps, a new schedule)
     start_over: bool = False  # train from step 0 if every checkpoint is corrupt (else the run stops)
     tensorboard: bool = False  # also write TensorBoard event files (needs the tensorboard extra)
+    wandb: str = ""  # W&B project: log every metrics row there under OLMo-core's names (the wandb extra;
+    # entity and credentials from wandb's environment: WANDB_ENTITY, WANDB_API_KEY, WANDB_MODE=offline)
+    wandb_run: str = ""  # with --wandb: the W&B run's name (default: W&B's); a resume continues the same run
     samples: int = flag(0, low=0)  # lines of text to sample at the end
     coordinator: str = ""  # multi-host outside TPU VMs / known clusters: host:port of process 0
     num_processes: int = flag(0, low=0)
@@ -512,7 +515,13 @@ def open_run_dir(run: Run) -> None:
     """The run directory's checkpoints and metrics log, once the run holds its lock (this makes the
     directory, if it is new)."""
     run.checkpoints = ckpt.Checkpoints(run.cfg.run_dir, run.cfg.keep_last, run.cfg.keep_every)
-    run.log = ckpt.MetricsLog(Path(run.cfg.run_dir), jax.process_index() == 0, run.cfg.tensorboard)
+    cfg = run.cfg
+    wandb = None
+    if cfg.wandb:  # OLMo-core's throughput is per device, its masked instances per batch
+        wandb = ckpt.WandbRun(
+            cfg.wandb, cfg.wandb_run or None, dataclasses.asdict(cfg), run.mesh.size, cfg.global_batch
+        )
+    run.log = ckpt.MetricsLog(Path(cfg.run_dir), jax.process_index() == 0, cfg.tensorboard, wandb)
 
 
 def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute):
@@ -874,6 +883,10 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError("--dry_run and --eval_only: choose one")
     if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
+    if cfg.wandb and not cfg.dry_run and importlib.util.find_spec("wandb") is None:
+        raise FlagError(f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'")
+    if cfg.wandb_run and not cfg.wandb:
+        raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
     try:  # the head layout must fit the preset's width
         model = model_config(cfg)
     except ValueError as e:
