@@ -1,10 +1,13 @@
 """ckpt.py: Orbax checkpoints (checksums, restores onto another mesh, failed saves, the walk back past corrupt
-ones), the run directory (lock, log.txt), Hugging Face conversion against transformers, and the command line.
-Kill-and-resume through train.py is tests/test_resume.py's."""
+ones), the run directory (lock, log.txt, the loss plot, the metrics log's W&B run read back from what wandb
+wrote offline), Hugging Face conversion against transformers, and the command line. Kill-and-resume through
+train.py is tests/test_resume.py's."""
 
 import dataclasses
+import importlib.util
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -433,3 +436,152 @@ def test_from_hf_names_a_damaged_directory_in_one_line_and_writes_nothing(tmp_pa
         out = ckpt_cli("from-hf", hf_dir, tmp_path / f"run-{name}")
         assert out.returncode == 1 and out.stderr.strip().startswith(f"error: {says}"), out.stderr[-2000:]
         assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / f"run-{name}").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --wandb: every metrics row under OLMo-core's names, read back from what wandb itself wrote (offline).
+
+OLMO_CORE = Path(importlib.util.find_spec("olmo_core").origin).parent
+# Each name we log, and the code in OLMo-core 3.0.0 that logs it (record_metric joins namespace and name).
+OLMO_CORE_SOURCE = {
+    "train/CE loss": ("train/common.py", 'TRAIN_CE_LOSS_METRIC = "train/CE loss"'),
+    "train/PPL": ("train/common.py", 'TRAIN_PPL_METRIC = "train/PPL"'),
+    "train/Z loss": ("train/common.py", 'TRAIN_Z_LOSS_METRIC = "train/Z loss"'),
+    "optim/total grad norm": ("train/common.py", 'OPTIM_GRAD_NORM_METRIC = "optim/total grad norm"'),
+    "optim/LR (group 0)": (TRAIN_MODULE := "train/train_module/transformer/train_module.py", "LR (group {"),
+    "optim/LR (group 1)": (TRAIN_MODULE, 'namespace="optim"'),
+    "optim/step skipped": (TRAIN_MODULE, '"step skipped", self.optim.step_skipped, namespace="optim"'),
+    "train/masked instances (%)": (TRAIN_MODULE, '"train/masked instances (%)"'),
+    "throughput/device/TPS": (SPEED := "train/callbacks/speed_monitor.py", '"throughput/device/TPS", tps)'),
+    "throughput/device/MFU": (SPEED, '"throughput/device/MFU", mfu)'),
+    "throughput/total tokens": (SPEED, '"throughput/total tokens", self.trainer.global_train_tokens_seen'),
+    "throughput/device/data loading (s)": (SPEED, '"throughput/device/data loading (s)"'),
+}
+
+
+def test_wandb_names_and_units_are_olmo_core_s():
+    row = dict(step=7, loss=3.5, ce_loss=3.25, z_loss=0.25, lr=2e-4, grad_norm=0.5, skipped=False, filtered=2)
+    row |= dict(tokens=7168, tokens_per_s=8000.0, mfu=0.25, data_wait_s=0.01, batch_hash="00ab")
+    row |= {
+        "eval/lm/c4_en-validation/CE loss": 3.0,
+        "eval/downstream/arc_easy_test_mc_5shot_fast (accuracy)": 0.5,
+    }
+    logged = ckpt.olmo_core_metrics(row, devices=8, batch=4)
+    assert set(logged) == set(OLMO_CORE_SOURCE) | {k for k in row if "/" in k}  # the rest passes unchanged
+    for name, (file, code) in OLMO_CORE_SOURCE.items():
+        assert code in (OLMO_CORE / file).read_text(), (name, file)
+    # OLMo-core's TPS is a rank's tokens over the ranks sharing them: per device; its MFU a percentage; its
+    # masked instances a proportion; its PPL exp(CE), only below a CE of 10.
+    assert logged["throughput/device/TPS"] == 1000.0 and logged["throughput/device/MFU"] == 25.0
+    assert logged["train/masked instances (%)"] == 0.5 and logged["optim/LR (group 1)"] == 2e-4
+    assert logged["train/PPL"] == pytest.approx(np.exp(3.25))
+    assert "train/PPL" not in ckpt.olmo_core_metrics(row | dict(ce_loss=10.5), devices=8, batch=4)
+    assert "throughput/device/MFU" not in ckpt.olmo_core_metrics(row | dict(mfu=None), devices=8, batch=4)
+
+
+def wandb_segments(run_dir: Path) -> list[tuple[str, dict[int, dict]]]:
+    """Each process's part of the run's W&B run as wandb wrote it offline, in order: its run id and its
+    history (step: {name: value})."""
+    segments = []
+    for log in sorted(run_dir.glob("wandb/offline-run-*/*.wandb")):
+        run_id, history = None, {}
+        for record in ckpt.wandb_records(log):
+            if record.HasField("run"):
+                run_id = record.run.run_id
+            if record.HasField("history"):
+                items = {
+                    "/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item
+                }
+                assert record.history.step.num not in history  # one W&B row per step
+                history[record.history.step.num] = items
+        segments.append((run_id, history))
+    return segments
+
+
+def assert_wandb_holds_each_step_once_as_metrics_jsonl(run_dir: Path, segments, devices: int, batch: int):
+    """Every step of metrics.jsonl is in W&B once (none lost, none repeated), with the same numbers (a
+    resume retakes a step bit for bit; only its time is its own)."""
+    assert {found for found, _ in segments} - {None} == {(run_dir / "wandb_id").read_text()}  # one run
+    logged = {step: row for _, history in segments for step, row in history.items()}
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(step for _, history in segments for step in history) == sorted({r["step"] for r in rows})
+    for row in rows:
+        for name, value in ckpt.olmo_core_metrics(row, devices, batch).items():
+            if not name.startswith("throughput/"):
+                assert logged[row["step"]][name] == pytest.approx(value, rel=1e-6), (row["step"], name)
+
+
+WRITE_ROWS = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, os.getcwd())
+import ckpt
+log = ckpt.MetricsLog(Path(sys.argv[1]), True, False, ckpt.WandbRun("olmo3-jax-test", None, {}, 8, 4))
+for step in range(int(sys.argv[2]), int(sys.argv[3]) + 1):
+    log.write(dict(step=step, ce_loss=10 - step / 8, lr=step / 1e4, tokens_per_s=1000.0 + os.getpid()))
+    if step % 3 == 0:  # an evaluated step: its eval row follows its train row
+        log.write({"step": step, "eval/lm/val/CE loss": 9 - step / 8, "eval_loss": 9 - step / 8})
+if sys.argv[4] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+log.close()
+"""
+
+
+def test_wandb_after_a_kill_and_a_retake_holds_each_step_once(tmp_path, monkeypatch):
+    """A process killed mid-run loses what wandb had not flushed; the next continues the same W&B run and
+    sends what W&B lacks (from metrics.jsonl, up to the checkpoint it resumes from), and never a step W&B
+    holds. Each process here writes the rows a run would, from the checkpoint it resumes from."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+    def process(resume_from, last, end="close"):
+        ckpt.MetricsLog(tmp_path, True, False).rewind(resume_from)
+        cmd = [sys.executable, "-c", WRITE_ROWS, str(tmp_path), str(resume_from + 1), str(last), end]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    assert process(0, 5, "kill").returncode == -signal.SIGKILL  # checkpoint 3 written, killed at step 5
+    assert (out := process(3, 8)).returncode == 0, out.stderr[-3000:]  # W&B lost 1-5: 1-3 sent again
+    assert (out := process(6, 8)).returncode == 0, out.stderr[-3000:]  # checkpoint 8 lost: 7-8 retaken
+    segments = wandb_segments(tmp_path)
+    assert len(segments) == 3 and segments[0][1] == {} and segments[2][1] == {}  # a 32 KiB block unwritten
+    assert sorted(segments[1][1]) == list(range(1, 9))
+    assert "eval/lm/val/CE loss" in segments[1][1][3] and "train/CE loss" in segments[1][1][3]  # one row
+    assert_wandb_holds_each_step_once_as_metrics_jsonl(tmp_path, segments, devices=8, batch=4)
+
+
+@pytest.mark.slow
+def test_train_py_logs_to_wandb_and_a_retaken_step_is_not_sent_again(tiny_data, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "tiny", "--seq_len", "64", "--global_batch", "4", "--steps", "4", "--lr_horizon", "4"]
+    argv += ["--warmup_steps", "2", "--ckpt_every", "2", "--eval_every", "2", "--eval_batches", "1"]
+    argv += ["--samples", "0", "--wandb", "olmo3-jax-test", "--wandb_run", "tiny", "--run_dir", str(run_dir)]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert train.main(train.parse_args([*argv, "--data_root", str(tiny_data)])) == 0
+    shutil.rmtree(run_dir / "checkpoints" / "4")  # steps 3 and 4 are taken again; W&B holds them
+    assert train.main(train.parse_args([*argv, "--data_root", str(tiny_data)])) == 0
+    segments = wandb_segments(run_dir)
+    assert [sorted(history) for _, history in segments] == [[1, 2, 3, 4], []]
+    names = set(OLMO_CORE_SOURCE) - {"throughput/device/MFU"}  # no MFU on a CPU
+    assert set(segments[0][1][4]) >= names | {"eval/lm/tiny-val/CE loss", "eval/lm/tiny-val/PPL"}
+    assert_wandb_holds_each_step_once_as_metrics_jsonl(run_dir, segments, devices=8, batch=4)
+
+
+def test_wandb_without_the_extra_is_refused_in_one_line_before_the_run_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: importing it fails
+    argv = ["--preset", "tiny", "--run_dir", str(tmp_path / "run"), "--wandb", "p"]
+    assert train.cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == "error: --wandb p: needs wandb: pip install -e '.[wandb]'" and not (tmp_path / "run").exists()
+    )
+    with pytest.raises(train.FlagError, match=r"^--wandb_run x: goes with --wandb PROJECT$"):
+        train.check(train.parse_args(["--preset", "tiny", "--wandb_run", "x"]))
+
+
+def test_loss_plot_draws_each_held_out_set(tmp_path):
+    rows = [dict(step=s, loss=5.0 - s / 10) for s in range(1, 5)]
+    rows += [
+        {"step": s, "eval/lm/a/CE loss": 4.0, "eval/lm/b/CE loss": 4.5, "eval_loss": 4.0} for s in (2, 4)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ckpt.plot_losses(tmp_path) == ["train loss", "held-out a", "held-out b"]
+    assert (tmp_path / "loss.png").stat().st_size > 10_000
