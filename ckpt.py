@@ -9,7 +9,8 @@ out, and OLMo-core checkpoints (with their Adam state) in.
     python ckpt.py from-olmo-core STEP_DIR RUN_DIR --preset 7b  # OLMo-core weights + Adam state -> step 0
 
 A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
-that stopped the run), `lock` while a run writes to it, and `checkpoints/<step>/` with three Orbax items:
+that stopped the run), `lock` while a run writes to it, with --wandb `wandb_id` (the W&B run it continues)
+and `wandb/` (wandb's own files), and `checkpoints/<step>/` with three Orbax items:
 `model` (parameters), `train` (optimizer state with the skip-step window, RNG key) and `meta` (JSON: the
 config, the data fingerprint and a checksum per array). Orbax commits atomically but does not validate what
 it reads back, so the checksums are ours; a checkpoint that fails them is moved to `quarantined/`.
@@ -218,9 +219,9 @@ def errors_logged(run_dir, unless: tuple = ()):
 # Our metrics row's keys under the names OLMo-core logs them (v3.0.0), so a W&B run overlays AI2's curves:
 # train/common.py (TRAIN_CE_LOSS_METRIC, OPTIM_GRAD_NORM_METRIC), train/train_module/transformer/
 # train_module.py ("Z loss", "LR (group i)", "step skipped", "masked instances (%)") and
-# train/callbacks/speed_monitor.py (throughput/...). Those OLMo-core counts per device are divided by the
-# devices (its TPS: a rank's tokens over the ranks sharing them); its MFU is a percentage; its masked
-# instances a proportion.
+# train/callbacks/speed_monitor.py (throughput/...). Its throughput is per device (TPS: a rank's tokens
+# over the ranks that share them), so ours is divided by the devices; its MFU is a percentage, its masked
+# instances a proportion of the batch.
 OLMO_CORE_NAMES = {
     "ce_loss": "train/CE loss",
     "z_loss": "train/Z loss",  # with its multiplier, as OLMo-core's
@@ -285,12 +286,8 @@ class MetricsLog:
     writes."""
 
     def __init__(self, run_dir: Path, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
-        self.path, self.lead, self.tensorboard, self.wandb = (
-            run_dir / "metrics.jsonl",
-            lead,
-            tensorboard,
-            wandb,
-        )
+        self.path, self.lead = run_dir / "metrics.jsonl", lead
+        self.tensorboard, self.wandb = tensorboard, wandb
         self.file = self.tb = self.wb = None
         self.wb_held = -1  # the last step the W&B run holds
 
