@@ -311,20 +311,26 @@ class MetricsLog:
         except OSError as e:
             raise _unwritable(self.path.parent, e) from e
 
+    def open(self) -> None:
+        """Open what the rows go to: at the first row, or before (a run about to train opens it before its
+        step compiles, so that W&B refusing it, say for want of a key, costs no compilation)."""
+        if not self.lead or self.file is not None:
+            return
+        if self.wandb:  # first: it sends the rows already written that W&B lacks
+            self.open_wandb()
+        try:
+            self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            raise _unwritable(self.path.parent, e) from e
+        if self.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.path.parent / "tb"))
+
     def write(self, row: dict) -> None:
         if not self.lead:
             return
-        if self.file is None:
-            if self.wandb:  # first: it sends the rows already written that W&B lacks
-                self.open_wandb()
-            try:
-                self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
-            except OSError as e:
-                raise _unwritable(self.path.parent, e) from e
-            if self.tensorboard:
-                from tensorboardX import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.path.parent / "tb"))
+        self.open()
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         for k, v in row.items() if self.tb else ():

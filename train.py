@@ -764,6 +764,7 @@ def main(cfg: TrainConfig) -> int:
             say(f"run already complete: step {start}")
         else:
             ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
+            run.log.open()
             trains = True
             model, stopped = train(run, preemption, start, model, opt, key)
         run.checkpoints.close()
