@@ -333,20 +333,23 @@ def describe(mesh: Mesh, target: Target | None) -> str:
     )
 
 
-def fit_report(compile_step, mesh: Mesh, target: Target | None, tips: str, say=print) -> bool:
-    """Compile a step (`compile_step()` returns it compiled and its abstract inputs by name) and say what one
-    device holds: each input, the compiler's activations and temporaries, its generated code, the total,
-    against the device's memory (the target's HBM, or what a real device states; nothing on a CPU), and a
-    verdict. False if it does not fit; `tips` says what to try then."""
-    t0 = time.perf_counter()
+def memory_limit(mesh: Mesh, target: Target | None) -> int | None:
+    """Bytes one device may hold: the target's HBM, or what a real device states (a CPU states nothing)."""
+    return target.hbm_per_device if target else (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+
+
+def memory_use(compile_step) -> tuple[list[tuple[str, int]], int]:
+    """Compile a step (`compile_step()` returns it compiled and its abstract inputs by name) and return what
+    one device holds: (name, bytes) for each input, the compiler's activations and temporaries and its
+    generated code, and the total. A TPU compiler refuses a program over its HBM, naming what the
+    temporaries need: then no rows, and that as the total."""
     try:
         compiled, inputs = compile_step()
-    except Exception as e:  # the TPU compiler refuses a program over HBM; anything else is raised as is
+    except Exception as e:  # anything but the TPU compiler's refusal is raised as is
         need = re.search(r"RESOURCE_EXHAUSTED.*required for HLO temporaries \(([\d.]+)G\)", str(e))
         if need is None:
             raise
-        say(f"does not fit: the compiler needs {need.group(1)} GiB of temporaries per device. Try {tips}")
-        return False
+        return [], int(float(need.group(1)) * 2**30)
     mem = compiled.memory_analysis()
     held = lambda tree: sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
@@ -357,8 +360,18 @@ def fit_report(compile_step, mesh: Mesh, target: Target | None, tips: str, say=p
         ("generated code", mem.generated_code_size_in_bytes),
     ]
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    total += mem.temp_size_in_bytes + mem.generated_code_size_in_bytes
-    hbm = target.hbm_per_device if target else (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+    return rows, total + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes
+
+
+def fit_report(compile_step, mesh: Mesh, target: Target | None, tips: str, say=print) -> bool:
+    """Compile a step (as memory_use) and say what one device holds, against the device's memory
+    (memory_limit), with a verdict. False if it does not fit; `tips` says what to try then."""
+    t0 = time.perf_counter()
+    rows, total = memory_use(compile_step)
+    if not rows:
+        say(f"does not fit: the compiler needs {total / 2**30:.2f} GiB of temporaries per device. Try {tips}")
+        return False
+    hbm = memory_limit(mesh, target)
     say(f"compiled in {time.perf_counter() - t0:.0f} s. Per device:")
     for name, size in rows + [("total", total)] + ([("HBM", hbm)] if hbm else []):
         say(f"  {name:<26} {size / 2**30:9.3f} GiB")

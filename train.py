@@ -389,12 +389,12 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
     return dataclasses.replace(cfg.compute, attention=attention_kernel(cfg, mesh.devices.flat[0].platform))
 
 
-def microbatches(cfg: TrainConfig, mesh) -> int:
+def microbatches(cfg: TrainConfig, mesh, microbatch: int = 0) -> int:
     """Gradient-accumulation steps: the batch's rows split over (data, fsdp), each device's share into
-    microbatches of --microbatch rows."""
+    microbatches of `microbatch` rows (default --microbatch; 0: the whole share at once)."""
     n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     per_device = cfg.global_batch // n_shards
-    microbatch = cfg.microbatch or per_device
+    microbatch = microbatch or cfg.microbatch or per_device
     if cfg.global_batch % n_shards or microbatch == 0 or per_device % microbatch:
         raise FlagError(
             f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
@@ -402,6 +402,41 @@ def microbatches(cfg: TrainConfig, mesh) -> int:
             f"--microbatch {microbatch}"
         )
     return per_device // microbatch
+
+
+def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -> int:
+    """microbatches(), but where --microbatch is not given and the devices state their memory (`hbm` bytes
+    each: TPUs, GPUs, a --topology; a CPU states none): the fewest microbatches whose step the target's
+    compiler says fits, by bisection over the divisors of each device's rows (memory grows with the rows
+    taken at once), so that a preset fits the chips it is given. `compile_for(n_micro)` compiles the step
+    (compile_step); each try is one compile (minutes for the 7B). If even one row at a time does not fit,
+    one row it is, and the dry run's table says what would."""
+    n_micro = microbatches(cfg, mesh)
+    if cfg.microbatch or not hbm:
+        return n_micro
+    per_device = cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+    sizes = [rows for rows in range(1, per_device + 1) if per_device % rows == 0]
+    need = {}  # rows at once -> bytes per device, as compiled
+
+    def fits(rows: int) -> bool:
+        say(f"microbatch: compiling with {rows} row(s) per device at a time, to see whether it fits ...")
+        need[rows] = shard.memory_use(lambda: compile_for(per_device // rows))[1]
+        return need[rows] <= hbm
+
+    fit, too_big = -1, len(sizes) - 1  # indices into sizes: the largest known to fit, the smallest not
+    if fits(sizes[-1]):
+        return n_micro
+    while too_big - fit > 1:
+        mid = (fit + too_big) // 2
+        fit, too_big = (mid, too_big) if fits(sizes[mid]) else (fit, mid)
+    rows = sizes[max(fit, 0)]
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    verdict = f"the most that fit: {gib(need[rows])}" if fit >= 0 else "and even that does not fit"
+    say(
+        f"microbatch: {rows} row(s) per device at a time ({per_device // rows} microbatches), {verdict} of "
+        f"{gib(hbm)} per device ({per_device} rows at once: {gib(need[per_device])}); --microbatch sets it"
+    )
+    return per_device // rows
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -665,8 +700,11 @@ def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: 
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": batch}
 
 
-def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int, target) -> int:
-    """Compile one train step and report what each device holds, against its HBM; 1 if it does not fit."""
+def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -> int:
+    """Compile one train step (in the microbatches that fit, unless --microbatch says) and report what each
+    device holds, against its HBM; 1 if it does not fit."""
+    compile_for = functools.cache(lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro))
+    n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
     rows = cfg.global_batch // n_micro // (mesh.shape["data"] * mesh.shape["fsdp"])
     say(
         f"dry run: {cfg.preset} on {shard.describe(mesh, target)}, {n_micro} microbatch(es) of {rows} rows x "
@@ -675,8 +713,7 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: 
     tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
     tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
     tips = ", ".join([*tips, "more chips, or a tensor axis in --mesh"])
-    compile_it = lambda: compile_step(cfg, mesh, model_cfg, compute, n_micro)
-    fits = shard.fit_report(compile_it, mesh, target, tips, say)
+    fits = shard.fit_report(lambda: compile_for(n_micro), mesh, target, tips, say)
     if compute.attention == "reference":
         say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
@@ -748,11 +785,11 @@ def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
 def main(cfg: TrainConfig) -> int:
     check(cfg)
     mesh, target = start_devices(cfg)
-    model_cfg, compute, n_micro = model_config(cfg), compute_policy(cfg, mesh), microbatches(cfg, mesh)
+    model_cfg, compute = model_config(cfg), compute_policy(cfg, mesh)
     announce(cfg, mesh, model_cfg, compute)
     if cfg.dry_run:
-        return dry_run(cfg, mesh, model_cfg, compute, n_micro, target)
-    run = set_up(cfg, mesh, model_cfg, compute, n_micro)
+        return dry_run(cfg, mesh, model_cfg, compute, target)
+    run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
     trains, stopped = False, False
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         open_run_dir(run)
@@ -763,6 +800,8 @@ def main(cfg: TrainConfig) -> int:
         elif start >= cfg.steps:
             say(f"run already complete: step {start}")
         else:
+            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro)
+            run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
             ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
             run.log.open()
             trains = True

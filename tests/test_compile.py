@@ -3,6 +3,7 @@ have: TPU slices through libtpu's own compiler (the [tpu] extra, which the tests
 Splash kernel, from a CPU-only machine."""
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -100,6 +101,31 @@ def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_ten
     assert mem.argument_size_in_bytes == pytest.approx(per_device((params, opt, batch)), rel=0.01)
     assert mem.alias_size_in_bytes >= per_device((params, opt)) * 0.99  # donated: updated in place
     assert 0 < mem.temp_size_in_bytes < target.hbm_per_device
+
+
+@pytest.mark.slow
+def test_without_microbatch_the_most_rows_that_fit_are_taken_at_once(capsys):
+    """--microbatch unset, on devices that state their memory: the most rows per device at a time whose
+    compiled step the TPU compiler says fits (a preset fits the chips it is given). The memory is set here
+    between what 2 and 4 rows at once need, then below what one row needs."""
+    target = shard.compile_target("v5e:2x2")
+    mesh = shard.make_mesh("fsdp=4", list(target.devices))
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"], global_batch=16, compute=olmo3.Compute("float32", "reference")
+    )
+    model_cfg, compute = train.model_config(cfg), train.compute_policy(cfg, mesh)
+    compile_for = functools.cache(lambda n_micro: train.compile_step(cfg, mesh, model_cfg, compute, n_micro))
+    need = {rows: shard.memory_use(lambda: compile_for(4 // rows))[1] for rows in (1, 2, 4)}  # 4 per device
+    assert need[1] < need[2] < need[4] < target.hbm_per_device
+    choose = lambda hbm: train.fitting_microbatches(cfg, mesh, hbm, compile_for)
+    assert choose(target.hbm_per_device) == 1  # the whole share fits
+    assert choose((need[2] + need[4]) // 2) == 2
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith("microbatch: 2 row(s) per device at a time (2 microbatches), the most that fit:")
+    assert choose(need[1] // 2) == 4 and "and even that does not fit" in capsys.readouterr().out
+    given = dataclasses.replace(cfg, microbatch=1)  # --microbatch given: taken as it is, nothing compiled
+    assert train.fitting_microbatches(given, mesh, target.hbm_per_device, None) == 4
+    assert capsys.readouterr().out == ""
 
 
 def test_dry_run_prints_the_memory_table_per_device(tmp_path):
