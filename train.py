@@ -1,17 +1,20 @@
-"""Stage 1 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train step,
-the run (its steps, its loop, main), and last the command line.
+"""Stages 1 and 2 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train
+step, the run (its steps, its loop, main), and last the command line.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
     python train.py --preset 7b --data mix.txt --data_root /mnt/olmo-data --run_dir runs/7b
     python train.py --preset 7b --dry_run --topology v5p-512   # compile for a TPU slice from any machine
     python train.py --preset 7b --init_from_hf Olmo-3-1025-7B-stage1-step0 ...
+    python ckpt.py next-stage runs/7b runs/7b-midtrain --preset 7b-midtrain   # stage 1's state as step 0 ...
+    python train.py --preset 7b-midtrain --data_root /mnt/olmo-data            # ... of stage 2 (midtraining)
     python train.py --help                             # every flag, its default and what it does
 
 Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunning the same command with the
 same --run_dir resumes from the newest valid checkpoint, bit for bit: the data order is a pure function of
 (seed, step), and everything else that shapes step k+1 is in the checkpoint.
 The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py` (stage 1 of the 7B) and
-`OLMo-3-1025-32B-pretrain.py`; the fields marked `recipe(...)` below are theirs.
+`OLMo-3-1025-32B-pretrain.py`, and for stage 2 `OLMo-3-1025-7B-midtrain.py` and the 32B's two
+`-midtrain-ingredient-*.py`; the fields marked `recipe(...)` below are theirs.
 """
 
 import dataclasses
@@ -67,7 +70,10 @@ COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 class TrainConfig:
     """The run: every field is a flag, and its comment (with the comment lines right below it) its --help."""
 
-    preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
+    preset: str = recipe("7b")  # the recipe below, and its model shape (olmo3.PRESETS) unless --model
+    model: str = (
+        ""  # model shape from olmo3.PRESETS; default: the preset's (a stage-2 preset names stage 1's)
+    )
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
 
     # data (data_dtype first: below, the field `data` hides the module in this class body)
@@ -87,8 +93,10 @@ class TrainConfig:
     # optimizer: OLMo-core's SkipStepAdamW
     lr: float = recipe(3e-4, above=0)  # peak learning rate
     warmup_steps: int = recipe(2000, low=0)  # linear from 0
-    lr_horizon: int = recipe(1_192_093, low=1)  # cosine length in steps: ceil(5e12 tokens / 4,194,304)
-    lr_final: float = recipe(0.1, low=0, high=1)  # the cosine ends at lr * lr_final
+    schedule: str = recipe("cosine", choices=("cosine", "linear"))  # after warmup: OLMo-core's CosWithWarmup
+    # (stage 1) or LinearWithWarmup (stages 2 and 3), from lr to lr * lr_final at lr_horizon
+    lr_horizon: int = recipe(1_192_093, low=1)  # schedule length in steps: ceil(5e12 tokens / 4,194,304)
+    lr_final: float = recipe(0.1, low=0, high=1)  # the schedule ends at lr * lr_final (OLMo-core's alpha_f)
     steps: int = recipe(597_046, low=1)  # part 1 of stage 1 stops here (mid-cosine), as the official run did
     beta1: float = recipe(0.9, low=0, high=1)
     beta2: float = recipe(0.95, low=0, high=1)
@@ -145,6 +153,11 @@ class TrainConfig:
             raise FlagError(f"--head_layout {self.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
         shard.parse_mesh(self.mesh, None)  # ValueError naming --mesh
 
+    @property
+    def model_preset(self) -> str:
+        """The olmo3.PRESETS name of the model this recipe trains."""
+        return self.model or self.preset
+
 
 # The official stage-1 recipe is the default above; the smaller presets scale it down.
 PRESETS = {
@@ -183,22 +196,69 @@ PRESETS = {
         repeat_filter=32,
         run_dir="runs/32b",
     ),
+    # Stage 2 (midtraining) goes on from the weights and Adam state of stage 1's last step (`ckpt.py
+    # next-stage` or `from-olmo-core` writes them as step 0 of its run directory): 100B tokens of a new mix,
+    # the LR decaying linearly from the script's literal to 0 (a new step count, data order and LR; Adam's own
+    # step count goes on). OLMo-core's OLMo-3-1025-7B-midtrain.py: 2M tokens a step, so ceil(1e11 / 2**21) =
+    # 47,684 steps; its LR is stage 1's cosine at step 476,838; no instance filter.
+    "7b-midtrain": TrainConfig(
+        "7b-midtrain",
+        model="7b",
+        data="OLMo-midtraining-mix-0625-100B.txt",
+        global_batch=256,
+        seed=1337,
+        lr=2.0712352850360292e-4,
+        schedule="linear",
+        warmup_steps=0,
+        lr_final=0.0,
+        lr_horizon=47_684,
+        steps=47_684,
+        run_dir="runs/7b-midtrain",
+    ),
+    # OLMo-core's OLMo-3-1025-32B-midtrain-ingredient-1.py and -2.py, from the 32B's stage-1 step 656,000: two
+    # runs, each on its own mix, that AI2 averaged into the released model (`ckpt.py average`). 4M tokens a step:
+    # ceil(1e11 / 2**22) = 23,842 steps; seed 42069; the LR literal as those scripts write it; the 32B's filter.
+    "32b-midtrain-1": TrainConfig(
+        "32b-midtrain-1",
+        model="32b",
+        data="OLMo-midtraining-mix-0925-ingredient1-100B.txt",
+        global_batch=512,
+        seed=42069,
+        lr=0.0002071235285,
+        schedule="linear",
+        warmup_steps=0,
+        lr_final=0.0,
+        lr_horizon=23_842,
+        steps=23_842,
+        repeat_filter=32,
+        run_dir="runs/32b-midtrain-1",
+    ),
 }
+PRESETS["32b-midtrain-2"] = dataclasses.replace(
+    PRESETS["32b-midtrain-1"],
+    preset="32b-midtrain-2",
+    data="OLMo-midtraining-mix-0925-ingredient2-100B.txt",
+    run_dir="runs/32b-midtrain-2",
+)
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The learning-rate schedule: linear warmup from 0, then cosine to lr * lr_final (OLMo-core CosWithWarmup).
+# The learning-rate schedule: linear warmup from 0, then cosine (OLMo-core's CosWithWarmup) or linear
+# (LinearWithWarmup) to lr * lr_final at lr_horizon, and there it stays.
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR of optimizer step `step`, counted from 1 as OLMo-core counts (the first step is step 1)."""
+    """LR of optimizer step `step`, counted from 1 as OLMo-core counts (the first step is step 1); a new stage
+    counts from 1 again. So a linear decay to 0 over all the steps spends its last step at LR 0, as OLMo-core's."""
     if step < cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    if step >= cfg.lr_horizon:
-        return cfg.lr * cfg.lr_final
-    progress = (step - cfg.warmup_steps) / (cfg.lr_horizon - cfg.warmup_steps)
     low = cfg.lr * cfg.lr_final
+    if step >= cfg.lr_horizon:
+        return low
+    progress = (step - cfg.warmup_steps) / (cfg.lr_horizon - cfg.warmup_steps)
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - low) * progress
     return low + (cfg.lr - low) * (1 + math.cos(math.pi * progress)) / 2
 
 
@@ -376,7 +436,7 @@ def attention_kernel(cfg: TrainConfig, platform: str) -> str:
 
 def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
     """The preset's model (or `base`) in this run's head layout and sequence length."""
-    m = base or olmo3.PRESETS[cfg.preset]
+    m = base or olmo3.PRESETS[cfg.model_preset]
     if cfg.head_layout:
         m = m.with_heads(*map(int, cfg.head_layout.split("x")))
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
@@ -432,7 +492,7 @@ def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
     n_params = olmo3.count_params(olmo3.abstract(model_cfg))
     say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     say(
-        f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
+        f"model: {cfg.model_preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
         f"{model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} GFLOPs per token to train (exact causal/sliding count)"
     )
     say(
@@ -533,7 +593,7 @@ def restore_or_init(run: Run):
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
     key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
     refuse_mismatch = lambda meta: ckpt.check_resume(
-        meta, run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
+        with_recipe_defaults(meta), run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
     like = {"opt": opt_like, "key": key_like}
     restored = run.checkpoints.restore_latest(
@@ -553,6 +613,15 @@ def restore_or_init(run: Run):
         init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
         model = eqx.filter_jit(init)(key)
     return 0, model, make_opt(model), key
+
+
+def with_recipe_defaults(meta: dict) -> dict:
+    """A checkpoint's metadata with each recipe field it predates (e.g. --schedule) at its default, which is
+    what that run trained with."""
+    if "config" not in meta:
+        return meta
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in RECIPE_FIELDS}
+    return meta | {"config": defaults | meta["config"]}
 
 
 def read_batches(run: Run, start: int) -> data.Prefetcher:
@@ -874,13 +943,15 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError("--dry_run and --eval_only: choose one")
     if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
+    if cfg.model_preset not in olmo3.PRESETS:
+        raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.PRESETS)}")
     try:  # the head layout must fit the preset's width
         model = model_config(cfg)
     except ValueError as e:
         raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
     try:  # released weights must be the preset's model
         if cfg.init_from_hf:
-            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.preset)
+            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.model_preset)
     except ValueError as e:
         raise FlagError(str(e)) from None
 

@@ -62,7 +62,9 @@ def test_parse_args_types_and_errors():
         train.parse_args(["--stepz", "3"])
     with pytest.raises(train.FlagError, match="--steps 'many': expected int"):
         train.parse_args(["--steps", "many"])
-    with pytest.raises(train.FlagError, match="--preset 'huge': expected one of tiny, 190m, 1b, 7b, 32b"):
+    with pytest.raises(
+        train.FlagError, match="--preset 'huge': expected one of tiny, 190m, 1b, 7b, 32b, 7b-midtrain"
+    ):
         train.parse_args(["--preset", "huge"])
     with pytest.raises(train.FlagError, match="--eval_only 'maybe': expected true or false"):
         train.parse_args(["--eval_only=maybe"])
@@ -95,6 +97,78 @@ def test_lr_schedule_matches_olmo_core():
     for step in [0, 1, 2, 999, 1999, 2000, 2001, 100_000, 597_046, 1_192_092, 1_192_093, 1_413_814]:
         assert train.lr_at(step, cfg) == pytest.approx(sched.get_lr(cfg.lr, step, cfg.lr_horizon), rel=1e-12)
     assert train.lr_at(597_046, cfg) == pytest.approx(1.650e-4, rel=1e-3)  # spec: LR where part 1 stops
+
+
+@pytest.mark.parametrize("preset", ["7b-midtrain", "32b-midtrain-1", "warmup 100, to 0.1x"])
+def test_linear_schedule_matches_olmo_core_linear_with_warmup(preset):
+    """OLMo-core's LinearWithWarmup object as the trainer calls it (t_max: the trainer's max_steps), step by
+    step through the stage's end, where the last step's LR is 0; and with a warmup and a floor."""
+    from olmo_core.optim.scheduler import LinearWithWarmup
+
+    cfg = train.PRESETS.get(preset) or dataclasses.replace(
+        train.PRESETS["7b-midtrain"], warmup_steps=100, lr_final=0.1, lr_horizon=1000, steps=1000
+    )
+    sched = LinearWithWarmup(warmup=cfg.warmup_steps, alpha_f=cfg.lr_final)
+    for step in [*range(0, 120), *range(cfg.steps - 5, cfg.steps + 3), cfg.steps // 2, cfg.steps // 3]:
+        want = sched.get_lr(cfg.lr, step, cfg.steps)
+        assert train.lr_at(step, cfg) == pytest.approx(want, rel=1e-12, abs=1e-18), step
+    assert train.lr_at(cfg.steps, cfg) == cfg.lr * cfg.lr_final
+
+
+def test_7b_midtrain_preset_is_the_official_stage2_recipe():
+    """OLMo-core's src/scripts/official/OLMo3/OLMo-3-1025-7B-midtrain.py, field by field."""
+    cfg, stage1 = train.PRESETS["7b-midtrain"], train.PRESETS["7b"]
+    assert cfg.model_preset == "7b" and cfg.seq_len == 8192 and cfg.global_batch * cfg.seq_len == 2**21
+    assert cfg.data == "OLMo-midtraining-mix-0625-100B.txt" and cfg.seed == 1337
+    assert (cfg.schedule, cfg.warmup_steps, cfg.lr_final) == ("linear", 0, 0.0)  # LinearWithWarmup(0, 0.0)
+    assert cfg.lr == 0.00020712352850360292  # LR, the literal: stage 1's cosine at step 476,838, exactly
+    assert cfg.lr == train.lr_at(476_838, stage1)
+    assert cfg.lr_horizon == cfg.steps == -(-100_000_000_000 // 2**21)  # Duration.tokens(100B), as max_steps
+    assert cfg.repeat_filter == 0  # NumpyFSLDatasetConfig without an instance filter
+    same = [f for f in train.RECIPE_FIELDS if f not in ("preset", "data", "global_batch", "seed", "lr")]
+    same = [f for f in same if f not in ("schedule", "warmup_steps", "lr_final", "lr_horizon", "steps")]
+    assert {f: getattr(cfg, f) for f in same} == {f: getattr(stage1, f) for f in same}  # optimizer, z-loss
+
+
+def test_32b_midtrain_presets_are_the_official_ingredient_recipes():
+    """OLMo-3-1025-32B-midtrain-ingredient-1.py and -2.py: alike but for the mix."""
+    one, two, stage1 = (train.PRESETS[p] for p in ("32b-midtrain-1", "32b-midtrain-2", "32b"))
+    assert one.model_preset == two.model_preset == "32b" and one.global_batch * one.seq_len == 4 * 1024 * 1024
+    assert (one.lr, one.seed, one.schedule, one.warmup_steps, one.lr_final) == (
+        0.0002071235285,
+        42069,
+        "linear",
+        0,
+        0.0,
+    )
+    assert one.lr_horizon == one.steps == -(-100_000_000_000 // 2**22)
+    assert one.repeat_filter == stage1.repeat_filter == 32  # InstanceFilterConfig(13, 1, 32)
+    assert one.data == "OLMo-midtraining-mix-0925-ingredient1-100B.txt"
+    assert two.data == "OLMo-midtraining-mix-0925-ingredient2-100B.txt"
+    differ = {"preset", "data", "run_dir"}
+    assert {k: v for k, v in dataclasses.asdict(one).items() if k not in differ} == {
+        k: v for k, v in dataclasses.asdict(two).items() if k not in differ
+    }
+
+
+def test_a_checkpoint_from_before_the_schedule_field_resumes_as_cosine():
+    """A stage-1 run saved before --schedule existed trained with the cosine: it resumes, and a linear
+    schedule is refused as a change of recipe."""
+    import ckpt
+
+    cfg = train.PRESETS["tiny"]
+    saved = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "schedule"}}
+    saved |= {"model": {}, "data": None}
+    expected = {"config": dataclasses.asdict(cfg), "model": {}, "data": None}
+    check = lambda meta, now: ckpt.check_resume(
+        train.with_recipe_defaults(meta), now, train.RECIPE_FIELDS, False, "runs/x"
+    )
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train.data, "check_fingerprint", lambda a, b: None)
+        check(saved, expected)
+        linear = {**expected, "config": dataclasses.asdict(dataclasses.replace(cfg, schedule="linear"))}
+        with pytest.raises(ckpt.ResumeRefused, match="schedule: 'cosine' -> 'linear'"):
+            check(saved, linear)
 
 
 @pytest.mark.parametrize("path,chunk", [("fused", 0), ("fused", 8), ("reference", 0)])
@@ -454,6 +528,8 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
     ),
     ("--loss_chunk 7", "--loss_chunk 7: expected a divisor of --seq_len 256 (or 0)"),
     ("--loss flash", "--loss 'flash': expected one of fused, reference"),
+    ("--schedule step", "--schedule 'step': expected one of cosine, linear"),
+    ("--model 70b", "--model '70b': expected one of tiny, 190m, 1b, 7b, 32b"),
     ("--remat some", "--remat 'some': expected one of none, full, save_matmuls, save_attention"),
     ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,tensor=1"),
     ("--topology v5p-512", "--topology v5p-512: devices that exist only for the compiler; add --dry_run"),
