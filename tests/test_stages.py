@@ -4,6 +4,7 @@ and stage 2 itself against OLMo-core's trainer, which loads its own stage-1 chec
 script does and trains on with the stage-2 recipe, scaled down."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,131 @@ def test_average_is_the_mean_of_the_two_runs_weights(small_recipe, tmp_path):
     with pytest.raises(ValueError, match="hold different models: .*rms_norm_eps"):
         ckpt.average(tmp_path / "a", tmp_path / "other", tmp_path / "none")
     assert not (tmp_path / "none").exists()
+
+
+# ---- stage 2 against OLMo-core: its trainer's stage 1, saved by its checkpointer; then both sides' stage 2
+
+STAGE1 = dict(steps=6, batch=4, lr=2e-3, warmup=2, lr_final=0.1, seed=34521)  # the cosine of stage 1
+STAGE2 = dict(steps=24, batch=2, lr=7e-4, seed=1337)  # LinearWithWarmup(warmup=0, alpha_f=0.0) over 24 steps
+SIZES = dict(seq_len=64, window=16, layers=4, kv_heads=4, skip_window=4)  # the skip rule live from step 2
+
+
+def reference_bench():
+    """bench/reference.py as a module: its OLMo-core configuration of stage 1 and its tolerances."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reference", ROOT / "bench" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def olmo_core_stage(bench, tok, files, out: Path, stage: dict, load_path: Path | None = None):
+    """One stage of OLMo-core's own Trainer on the tiny corpus: stage 1 (CosWithWarmup, from its initial
+    weights, which go to out/init-hf) or, with `load_path`, stage 2 as OLMo-3-1025-7B-midtrain.py runs it
+    (the checkpoint loaded with its optimizer state and without its trainer state, LinearWithWarmup(0, 0.0),
+    a new LR and seed). Saves its last step with its checkpointer in out/run/stepN; returns its rows."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig
+    from olmo_core.nn.hf.checkpoint import save_hf_model
+    from olmo_core.optim import LinearWithWarmup
+    from olmo_core.train import Duration, LoadStrategy, TrainerConfig
+
+    args = SimpleNamespace(**SIZES, **{"warmup": 0, "lr_final": 0.0} | stage)
+    tokenizer = bench.olmo_core_tokenizer(tok)
+    linear = LinearWithWarmup(warmup=0, alpha_f=0.0) if load_path else None
+    module = bench.olmo_core_module(args, tokenizer, scheduler=linear)
+    if load_path is None:
+        save_hf_model(out / "init-hf", module.model.state_dict(), module.model, save_overwrite=True)
+    work = str(out / "work")
+    dataset = NumpyFSLDatasetConfig(
+        paths=files, sequence_length=args.seq_len, tokenizer=tokenizer, work_dir=work
+    ).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=args.batch * args.seq_len, seed=args.seed, work_dir=work)
+    recorder = bench.Recorder()
+    trainer = TrainerConfig(
+        save_folder=str(out / "run"),
+        max_duration=Duration.steps(args.steps),
+        metrics_collect_interval=1,
+        callbacks={"recorder": recorder},
+        load_path=None if load_path is None else str(load_path),
+        load_strategy=LoadStrategy.always if load_path else LoadStrategy.if_available,
+        load_trainer_state=False,
+        load_optim_state=True,
+    ).build(module, loader.build(dataset))
+    with mock.patch.object(torch.nn.utils, "get_total_norm", bench.exact_total_norm):  # as the bench: exact
+        trainer.fit()
+    return [recorder.rows[s] for s in range(1, args.steps + 1)]
+
+
+@pytest.mark.slow
+def test_stage2_from_an_olmo_core_checkpoint_follows_olmo_core_step_by_step(tiny_data, tmp_path, monkeypatch):
+    """OLMo-core's trainer trains stage 1 and saves it (real DCP files, train/rank0.pt); `from-olmo-core`
+    imports it as step 0 of our stage-2 run; train.py's main then trains the stage-2 recipe from it while
+    OLMo-core's trainer loads the same checkpoint as its midtraining script does: every step's batch, LR, skip,
+    loss and grad norm agree within the stage-1 comparison's tolerances. Had Adam's count or moments not carried
+    over, or the LR schedule, the data order or the skip history not restarted, step 1 or 2 would differ."""
+    import data
+
+    bench = reference_bench()
+    prepared = data.prepare_tiny(str(tiny_data))
+    tok = data.get_tokenizer("tiny", prepared["tokenizer"])
+    stage1_rows = olmo_core_stage(bench, tok, prepared["train"], tmp_path / "oc1", STAGE1)
+    step_dir = tmp_path / "oc1" / "run" / f"step{STAGE1['steps']}"
+    assert (step_dir / "train" / "rank0.pt").is_file() and (
+        step_dir / "model_and_optim" / ".metadata"
+    ).is_file()
+    theirs = olmo_core_stage(bench, tok, prepared["train"], tmp_path / "oc2", STAGE2, load_path=step_dir)
+
+    hf = json.loads((tmp_path / "oc1" / "init-hf" / "config.json").read_text())
+    hf["eos_token_id"] = tok.eos_id  # OLMo-core's export knows the model, not its tokenizer
+    monkeypatch.setitem(olmo3.PRESETS, "oc-stage2", ckpt.config_from_hf(hf))
+    cfg = dataclasses.replace(
+        train.PRESETS["7b-midtrain"],
+        model="oc-stage2",
+        data="tiny",
+        data_root=str(tiny_data),
+        tokenizer="tiny",
+        seq_len=SIZES["seq_len"],
+        global_batch=STAGE2["batch"],
+        seed=STAGE2["seed"],
+        lr=STAGE2["lr"],
+        lr_horizon=STAGE2["steps"],
+        steps=STAGE2["steps"],
+        skip_window=SIZES["skip_window"],
+        compute=olmo3.Compute(dtype="float32", attention="reference"),
+        mesh="data=1",
+        run_dir=str(tmp_path / "ours"),
+        eval_batches=1,
+        eval_every=10**6,
+    )
+    count = ckpt.import_olmo_core(step_dir, cfg.run_dir, cfg)
+    # Adam's count as OLMo-core left it: its steps but the skipped, plus one that torch's checkpointer took to
+    # materialise the empty optimizer state when the trainer saved step 0 (lr 0, zero gradients).
+    assert count == STAGE1["steps"] - sum(r["skipped"] for r in stage1_rows) + 1
+    assert train.main(cfg) == 0
+    ours = [
+        r
+        for r in map(json.loads, (tmp_path / "ours" / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
+    assert [r["step"] for r in ours] == list(range(1, STAGE2["steps"] + 1))
+    tol, rel = bench.TOLERANCE, bench.rel
+    for o, t in zip(ours, theirs, strict=True):
+        where = f"step {o['step']}: ours {o}, OLMo-core {t}"
+        assert o["batch_hash"] == data.format_hash(t["hash"]), where  # the new seed's order, from its start
+        assert all(rel(o["lr"], lr) <= 1e-12 for lr in t["lr"]), where
+        assert o["skipped"] == t["skipped"], where
+        assert (
+            rel(o["loss"], t["loss"]) <= tol["loss"]
+            and rel(o["grad_norm"], t["grad_norm"]) <= tol["grad_norm"]
+        ), where
+    assert ours[-1]["lr"] == 0.0 and ours[0]["lr"] == pytest.approx(STAGE2["lr"] * (1 - 1 / 24), rel=1e-12)
+    assert (
+        any(r["skipped"] for r in ours) and ours[-1]["loss"] < ours[0]["loss"]
+    )  # it compared something live
+    worst = {k: max(rel(o[k], t[k]) for o, t in zip(ours, theirs)) for k in ("loss", "grad_norm")}
+    print(f"stage 2, {len(ours)} steps: max relative difference {worst}")
