@@ -95,9 +95,11 @@ class TrainConfig:
     warmup_steps: int = recipe(2000, low=0)  # linear from 0
     schedule: str = recipe("cosine", choices=("cosine", "linear"))  # after warmup: OLMo-core's CosWithWarmup
     # (stage 1) or LinearWithWarmup (stages 2 and 3), from lr to lr * lr_final at lr_horizon
-    lr_horizon: int = recipe(1_192_093, low=1)  # schedule length in steps: ceil(5e12 tokens / 4,194,304)
+    lr_horizon: int = recipe(1_192_093, low=0)  # schedule length in steps: ceil(5e12 tokens / 4,194,304); 0:
+    # one epoch of --data (OLMo-core's Duration.epochs(1): the instances over the batch), reported at the start
     lr_final: float = recipe(0.1, low=0, high=1)  # the schedule ends at lr * lr_final (OLMo-core's alpha_f)
-    steps: int = recipe(597_046, low=1)  # part 1 of stage 1 stops here (mid-cosine), as the official run did
+    steps: int = recipe(597_046, low=0)  # part 1 of stage 1 stops here (mid-cosine), as the official run did;
+    # 0: one epoch of --data
     beta1: float = recipe(0.9, low=0, high=1)
     beta2: float = recipe(0.95, low=0, high=1)
     eps: float = recipe(1e-8, above=0)
@@ -184,15 +186,16 @@ PRESETS = {
     ),
     "1b": TrainConfig("1b", lr=4e-4, lr_horizon=100_000, steps=100_000, seq_len=4096, run_dir="runs/1b"),
     "7b": TrainConfig(),
-    # OLMo-core's OLMo-3-1025-32B-pretrain.py: 8M tokens a step, lr 6e-4 (cosine to 0.1x after 2000 warmup
-    # steps, over one epoch of the mix: 706,907 steps, where AI2's released stage 1 ends at step 656,000),
-    # and its instance filter, InstanceFilterConfig(13, 1, 32); the rest as the 7B's.
+    # OLMo-core's OLMo-3-1025-32B-pretrain.py: the 0925 mix, 8M tokens a step, lr 6e-4 (cosine to 0.1x after
+    # 2000 warmup steps), for one epoch of the mix (Duration.epochs(1), computed from the data; AI2's stage 2
+    # starts from its step 656,000), and its instance filter, InstanceFilterConfig(13, 1, 32); else the 7B's.
     "32b": TrainConfig(
         "32b",
+        data="OLMo-mix-0925-official.txt",
         lr=6e-4,
         global_batch=1024,
-        lr_horizon=706_907,
-        steps=706_907,
+        lr_horizon=0,
+        steps=0,
         repeat_filter=32,
         run_dir="runs/32b",
     ),
@@ -528,6 +531,7 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    cfg = one_epoch_where_asked(cfg, loader.num_batches)
     eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
     if cfg.eval_only:
         check_eval_only(cfg, eval_sets)
@@ -538,6 +542,16 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
         )
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
     return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tokenizer_path, meta)
+
+
+def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
+    """--lr_horizon 0 and --steps 0 as one epoch of the data, `epoch` batches, as OLMo-core's trainer turns
+    Duration.epochs(1) into its max_steps; the run records the number, so a resume on other data is refused."""
+    if cfg.lr_horizon and cfg.steps:
+        return cfg
+    zeros = " and ".join(f"--{k} 0" for k in ("lr_horizon", "steps") if not getattr(cfg, k))
+    say(f"one epoch of --data: {epoch:,} steps of {cfg.global_batch} x {cfg.seq_len} tokens ({zeros})")
+    return dataclasses.replace(cfg, lr_horizon=cfg.lr_horizon or epoch, steps=cfg.steps or epoch)
 
 
 def padded_eval_sets(
@@ -813,7 +827,7 @@ def main(cfg: TrainConfig) -> int:
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, n_micro, target)
     run = set_up(cfg, mesh, model_cfg, compute, n_micro)
-    trains, stopped = False, False
+    cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         open_run_dir(run)
         start, model, opt, key = restore_or_init(run)

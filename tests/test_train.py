@@ -282,8 +282,9 @@ def test_32b_preset_is_the_official_recipe():
     cfg, seven = train.PRESETS["32b"], train.PRESETS["7b"]
     assert cfg.global_batch * cfg.seq_len == 8 * 1024 * 1024 and cfg.seq_len == 8192  # GLOBAL_BATCH_SIZE
     assert (cfg.lr, cfg.warmup_steps, cfg.lr_final, cfg.seed) == (6e-4, 2000, 0.1, 34521)  # LR, CosWithWarmup
-    # One epoch of the mix (max_duration=Duration.epochs(1)): the 7B's 1,413,814 steps of 512 = 706,907 of 1024.
-    assert cfg.lr_horizon == cfg.steps == 1_413_814 * 512 // 1024
+    assert cfg.data == "OLMo-mix-0925-official.txt"  # DataMix.OLMo_mix_0925_official
+    # One epoch of the mix (max_duration=Duration.epochs(1)), computed from the data at the start.
+    assert cfg.lr_horizon == cfg.steps == 0
     assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.clip, cfg.z_loss) == (
         0.9,
         0.95,
@@ -295,6 +296,30 @@ def test_32b_preset_is_the_official_recipe():
     assert (cfg.skip_window, cfg.skip_sigma) == (128, 6.0)  # SkipStepAdamWConfig's defaults
     assert cfg.repeat_filter == 32 and data.REPEAT_PERIODS == (1, 13)  # InstanceFilterConfig(13, 1, 32)
     assert seven.repeat_filter == 0  # the 7B relies on the skip-step optimizer instead
+
+
+def test_one_epoch_is_olmo_core_s_max_steps_for_one_epoch_of_the_data(tiny_data, tmp_path):
+    """--lr_horizon 0 and --steps 0 become the number of batches OLMo-core's data loader gives one epoch of the
+    same files (Duration.epochs(1): the trainer's max_steps, which CosWithWarmup's t_max is)."""
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+
+    files = data.prepare_tiny(str(tiny_data))["train"]
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"], data="tiny", data_root=str(tiny_data), global_batch=3, seq_len=200
+    )
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "run"), lr_horizon=0, steps=0)
+    run = train.set_up(cfg, None, train.model_config(cfg), None, 1)
+    tokenizer = TokenizerConfig(vocab_size=8192, eos_token_id=0, pad_token_id=0)
+    dataset = NumpyFSLDatasetConfig(
+        paths=files, sequence_length=200, tokenizer=tokenizer, work_dir=str(tmp_path / "oc")
+    ).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=3 * 200, seed=cfg.seed, work_dir=str(tmp_path / "oc"))
+    epoch = loader.build(dataset).total_batches
+    assert run.cfg.lr_horizon == run.cfg.steps == epoch > 100
+    assert run.meta["config"]["lr_horizon"] == epoch  # recorded: a resume on other data is refused
+    assert train.lr_at(epoch, run.cfg) == cfg.lr * cfg.lr_final
+    partly = dataclasses.replace(cfg, steps=5)  # one epoch's cosine, stopped early (as AI2's 32B stage 1)
+    assert train.one_epoch_where_asked(partly, epoch) == dataclasses.replace(partly, lr_horizon=epoch)
 
 
 def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
