@@ -535,8 +535,8 @@ def test_short_tiny_run_end_to_end(tmp_path, tiny_data):
 
 
 BAD_FLAGS = [  # (flags, the one line train.py answers with)
-    ("--steps 0", "--steps 0: expected an integer >= 1"),
-    ("--steps -5", "--steps -5: expected an integer >= 1"),
+    ("--lr_horizon -1", "--lr_horizon -1: expected an integer >= 0"),
+    ("--steps -5", "--steps -5: expected an integer >= 0"),
     ("--seq_len 0", "--seq_len 0: expected an integer >= 2"),
     ("--ckpt_every 0", "--ckpt_every 0: expected an integer >= 1"),
     ("--eval_every 0", "--eval_every 0: expected an integer >= 1"),
