@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 import ckpt
 import data
@@ -109,6 +109,10 @@ class TrainConfig:
     skip_window: int = recipe(128, low=2)  # ... the mean of this many previous steps, once half are known
     z_loss: float = recipe(1e-5, low=0)
     repeat_filter: int = recipe(0, low=0)  # drop instances repeating 1-13 tokens this often in a row; 0: off
+    dp_ranks: int = recipe(
+        1, low=1
+    )  # weigh the loss as OLMo-core over this many data-parallel ranks, whatever
+    # our mesh: rank r's rows (r, r + dp_ranks, ...) divided by its own count, the ranks averaged (row_weights)
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
 
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
@@ -197,6 +201,7 @@ PRESETS = {
         lr_horizon=0,
         steps=0,
         repeat_filter=32,
+        dp_ranks=1024,  # AI2's 32B ran one instance per rank
         run_dir="runs/32b",
     ),
     # Stage 2 (midtraining) goes on from the weights and Adam state of stage 1's last step (`ckpt.py
@@ -220,7 +225,8 @@ PRESETS = {
     ),
     # OLMo-core's OLMo-3-1025-32B-midtrain-ingredient-1.py and -2.py, from the 32B's stage-1 step 656,000: two
     # runs, each on its own mix, that AI2 averaged into the released model (`ckpt.py average`). 4M tokens a step:
-    # ceil(1e11 / 2**22) = 23,842 steps; seed 42069; the LR literal as those scripts write it; the 32B's filter.
+    # ceil(1e11 / 2**22) = 23,842 steps; seed 42069; the LR literal as those scripts write it; the 32B's filter
+    # (their rank count is not in the scripts, so --dp_ranks stays 1: one count for the whole batch).
     "32b-midtrain-1": TrainConfig(
         "32b-midtrain-1",
         model="32b",
@@ -325,7 +331,8 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 
 # ---------------------------------------------------------------------------------------------------------
 # The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted,
-# plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions (OLMo-core).
+# plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions as OLMo-core averages
+# them (row_weights).
 # `loss_sums` defines it, in one place; two paths compute it with the LM head, the same maths:
 # - reference: logits for the whole batch, differentiated by autodiff.
 # - fused (the default): olmo3.fused_lm_head, a chunk of positions at a time, each chunk's logits reduced by
@@ -340,10 +347,12 @@ def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], mask: Bool[Array, "*#n"]):
-    """The loss, in one place: summed CE and summed logsumexp^2 over the targeted positions."""
+def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], weight: Shaped[Array, "*#n"]):
+    """The loss, in one place: CE and logsumexp^2 summed over the positions, each times its weight (0 or
+    False: not targeted; True: 1)."""
     ce, lse = cross_entropy(logits, targets)
-    return jnp.where(mask, ce, 0).sum(), jnp.where(mask, lse * lse, 0).sum()
+    counted = lambda v: jnp.where(weight != 0, v * weight, 0).sum()
+    return counted(ce), counted(lse * lse)
 
 
 def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
@@ -352,20 +361,31 @@ def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
     return keep[:, None] & (jnp.arange(seq) < seq - 1)[None, :]
 
 
-def loss_fn(model, tokens, keep, n_targets, cfg: TrainConfig, layout=None):
-    """The loss over the batch's targeted positions, divided by n_targets; aux: its CE and z-loss parts."""
+def row_weights(keep: Bool[Array, " batch"], seq: int, ranks: int) -> Float[Array, " batch"]:
+    """Each row's weight in the loss, as OLMo-core's train module weighs it on `ranks` data-parallel ranks:
+    rank r holds rows r, r + ranks, ... (its loader's stride) and divides their loss by its own count, the
+    targeted positions plus every token of a dropped instance (counted as zero-loss tokens, so each rank
+    weighs the same); the ranks' gradients are averaged. With one rank: one global count."""
+    by_rank = keep.reshape(-1, ranks)  # [i, r]: row i * ranks + r
+    count = by_rank.shape[0] * (seq - 1) + (~by_rank).sum(axis=0)  # ranks
+    return jnp.tile(1 / (ranks * count.astype(jnp.float32)), by_rank.shape[0])
+
+
+def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None):
+    """The loss over the batch's targeted positions, each row's weighted by `row_weight` (row_weights); aux:
+    its CE and z-loss parts."""
     x = model.features(tokens, layout)
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
-    mask, scale = targeted(keep, tokens.shape[1]), 1 / jnp.float32(n_targets)
+    weight = jnp.where(targeted(keep, tokens.shape[1]), row_weight[:, None], 0)  # batch seq
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, mask)
-            loss = (ce + cfg.z_loss * zz) * scale
+            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, weight)
+            loss = ce + cfg.z_loss * zz
         else:
-            weights = (scale, scale * cfg.z_loss)  # of the two sums, in the loss
-            loss, (ce, zz) = olmo3.fused_lm_head(x, w, loss_sums, targets, mask, weights, cfg.loss_chunk)
+            weights = (jnp.float32(1), jnp.float32(cfg.z_loss))  # of the two sums, in the loss
+            loss, (ce, zz) = olmo3.fused_lm_head(x, w, loss_sums, targets, weight, weights, cfg.loss_chunk)
             ce, zz = jax.lax.stop_gradient((ce, zz))
-    return loss, (ce * scale, cfg.z_loss * zz * scale)
+    return loss, (ce, cfg.z_loss * zz)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -383,18 +403,16 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
     params = eqx.filter(model, eqx.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     keep = jnp.ones(rows, bool) if keep is None else keep
-    # OLMo-core divides by the targeted positions plus every token of a dropped instance (its train module
-    # counts them as zero-loss tokens, so each rank weighs the same).
-    n_targets = rows * (seq - 1) + (rows - keep.sum())
+    row_weight = row_weights(keep, seq, cfg.dp_ranks)
 
     def accumulate(acc, micro):
-        (_, (ce, z)), grads = grad_fn(model, *micro, n_targets, cfg, layout)
+        (_, (ce, z)), grads = grad_fn(model, *micro, cfg, layout)
         return jax.tree.map(jnp.add, acc, (grads, ce, z)), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
     split = lambda a: a.reshape(rows // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1)
     zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, (split(batch), split(keep)))
+    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, (split(batch), split(keep), split(row_weight)))
 
     with jax.named_scope("optimizer"):
         grad_norm = optax.tree.norm(grads)
@@ -957,6 +975,8 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError("--dry_run and --eval_only: choose one")
     if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
+    if cfg.global_batch % cfg.dp_ranks:
+        raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
     if cfg.model_preset not in olmo3.PRESETS:
         raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.PRESETS)}")
     try:  # the head layout must fit the preset's width

@@ -234,7 +234,7 @@ def test_fused_and_reference_losses_agree_through_the_model():
     for cfg in (fused, dataclasses.replace(fused, loss="reference")):
         keep = jnp.ones(2, bool)
         (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(
-            model, tokens, keep, 62, cfg
+            model, tokens, keep, jnp.full(2, 1 / 62, jnp.float32), cfg
         )
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         for ours, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -275,6 +275,86 @@ def test_dropped_instances_count_as_olmo_core_s_train_module_counts_them():
         results.append(np.asarray(opt.mu.lm_head))
     # The dropped rows' tokens changed (third run): the same gradient, so they contributed nothing.
     np.testing.assert_allclose(results[2], results[0], rtol=1e-5, atol=1e-9)
+
+
+class MetricsOf:
+    """What an OLMo-core train module reports to its trainer, kept: a stand-in for the Trainer it needs."""
+
+    def __init__(self):
+        self.ce = []
+
+    def record_metric(self, *args, **kwargs):
+        pass
+
+    def record_ce_loss(self, value, reduce_type=None):
+        self.ce.append(float(value))
+
+
+def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_several_ranks(monkeypatch):
+    """OLMo-core's TransformerTrainModule.train_batch run as each of 4 data-parallel ranks on its rows of one
+    global batch (rows r, r + 4, ..., as its loader strides them), with instances dropped on one rank only,
+    and its ranks' gradients and losses averaged as FSDP's all-reduce (AVG) averages them; our train step with
+    --dp_ranks 4 on the whole batch: the same loss and gradient. One global count (--dp_ranks 1) is not."""
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+    from olmo_core_runs import olmo_core_config
+    from test_olmo_core_ckpt import olmo_core_layout, our_config
+
+    ranks, rows, seq = 4, 8, 16
+    monkeypatch.setitem(olmo3.PRESETS, "olmo-core-14m", our_config())
+    mcfg = olmo3.PRESETS["olmo-core-14m"]
+    tokens = np.random.default_rng(0).integers(0, 256, (rows, seq))
+    keep = np.array([True, False, True, True, True, False, True, True])  # rows 1 and 5: both rank 1's
+    model = lambda: olmo3.Olmo3(mcfg, key=jax.random.key(0))  # a fresh one for each step (it is donated)
+    theirs = olmo_core_config().build(init_device="cpu")
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=rows // ranks * seq,
+        max_sequence_length=seq,
+        optim=AdamWConfig(lr=0.0),
+        z_loss_multiplier=1e-2,
+    ).build(theirs, device=torch.device("cpu"))
+    # Our weights, once building the module has initialised its own.
+    theirs.load_state_dict({k: torch.as_tensor(v.copy()) for k, v in olmo_core_layout(model(), mcfg).items()})
+    metrics = MetricsOf()
+    module._attach_trainer(metrics)
+    for r in range(ranks):  # each rank's backward adds its gradient; averaged below, as FSDP's AVG
+        batch = {
+            "input_ids": torch.as_tensor(tokens[r::ranks]),
+            "instance_mask": torch.as_tensor(keep[r::ranks]),
+        }
+        module.train_batch(batch)
+    want_ce = np.mean(metrics.ce)
+    want_grads = {k: p.grad.numpy() / ranks for k, p in theirs.named_parameters()}
+
+    for dp_ranks in (ranks, 1):
+        cfg = dataclasses.replace(
+            train.PRESETS["tiny"],
+            preset="olmo-core-14m",
+            z_loss=1e-2,
+            global_batch=rows,
+            seq_len=seq,
+            dp_ranks=dp_ranks,
+            clip=1e9,
+        )
+        opt = train.init_opt(eqx.filter(model(), eqx.is_array), cfg)
+        _, opt, m = train.train_step(
+            model(),
+            opt,
+            jnp.asarray(tokens, jnp.int32),
+            jnp.float32(0),
+            cfg=cfg,
+            n_micro=2,
+            keep=jnp.asarray(keep),
+        )
+        grads = olmo_core_layout(jax.tree.map(lambda mu: mu / (1 - cfg.beta1), opt.mu), mcfg)
+        if (
+            dp_ranks == 1
+        ):  # the kept rows' sum over 8 x 15 + 2, where OLMo-core averages rank sums over 30, 32
+            assert abs(float(m["ce_loss"]) / want_ce - 1) > 1e-3
+            continue
+        assert float(m["ce_loss"]) == pytest.approx(want_ce, rel=1e-6)
+        for k, g in want_grads.items():
+            np.testing.assert_allclose(grads[k], g, rtol=1e-4, atol=1e-6 * np.abs(g).max(), err_msg=k)
 
 
 def test_32b_preset_is_the_official_recipe():
