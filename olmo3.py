@@ -626,7 +626,8 @@ def lm_head_sums(
 
     def one(dw_so_far, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
         x_chunk, targets_chunk, mask_chunk = inputs  # batch chunk embed, batch chunk, batch chunk
-        chunk_logits = linear(x_chunk, w, out_dtype=jnp.float32)  # batch chunk vocab
+        # In x's dtype, as OLMo-core's LM head makes them: bf16 under its bf16 policy (`sums` upcasts them).
+        chunk_logits = linear(x_chunk, w, out_dtype=x.dtype)  # batch chunk vocab
         chunk_sums, vjp = jax.vjp(lambda logits: sums(logits, targets_chunk, mask_chunk), chunk_logits)
         if weights is None:
             return dw_so_far, (chunk_sums, None)

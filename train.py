@@ -330,9 +330,9 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted,
-# plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions as OLMo-core averages
-# them (row_weights).
+# The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted, plus
+# z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions as OLMo-core averages them
+# (row_weights). The logits are in the compute dtype, upcast by the loss, as OLMo-core's under its policy.
 # `loss_sums` defines it, in one place; two paths compute it with the LM head, the same maths:
 # - reference: logits for the whole batch, differentiated by autodiff.
 # - fused (the default): olmo3.fused_lm_head, a chunk of positions at a time, each chunk's logits reduced by
@@ -379,7 +379,7 @@ def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None):
     weight = jnp.where(targeted(keep, tokens.shape[1]), row_weight[:, None], 0)  # batch seq
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, weight)
+            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=x.dtype), targets, weight)
             loss = ce + cfg.z_loss * zz
         else:
             weights = (jnp.float32(1), jnp.float32(cfg.z_loss))  # of the two sums, in the loss

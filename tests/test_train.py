@@ -219,6 +219,35 @@ def test_lm_head_loss_and_gradients_match_olmo_core(path, chunk):
     np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_bf16_logits_as_olmo_core_s_lm_head_makes_them_under_its_bf16_policy(path):
+    """In bf16, OLMo-core's LM head (bf16 parameters under its FSDP policy) emits bf16 logits, which its
+    cross_entropy_loss upcasts: our loss in bf16 is the loss of those logits, not of fp32 ones made from the
+    same bf16 features and weights (which differ from OLMo-core's by the logits' rounding)."""
+    from olmo_core.nn.functional import cross_entropy_loss
+
+    rng = np.random.default_rng(0)
+    batch, seq, d, vocab = 2, 16, 64, 256
+    x = jnp.asarray(rng.standard_normal((batch, seq, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((d, vocab)) / 8, jnp.bfloat16)
+    tokens = rng.integers(0, vocab, (batch, seq))
+    targets, mask = jnp.roll(jnp.asarray(tokens), -1, axis=-1), train.targeted(jnp.ones(batch, bool), seq)
+    as_torch = lambda a: torch.as_tensor(np.asarray(a.astype(jnp.float32))).bfloat16()
+    logits = (as_torch(x) @ as_torch(w)).view(-1, vocab)  # bf16, as F.linear with bf16 parameters
+    labels = torch.as_tensor(np.where(np.asarray(mask), np.asarray(targets), -100)).long().view(-1)
+    want, want_z = cross_entropy_loss(
+        logits, labels, reduction="sum", compute_z_loss=True, z_loss_multiplier=1
+    )
+    if path == "fused":
+        (ce, zz), _, _ = olmo3.lm_head_sums(x, w, train.loss_sums, targets, mask, 8)
+    else:
+        ce, zz = train.loss_sums(olmo3.linear(x, w, out_dtype=x.dtype), targets, mask)
+    fp32, _ = train.loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, mask)
+    apart = abs(float(fp32) - want.item())
+    assert apart > 2e-5 * want.item()  # the logits' rounding shows in the loss
+    assert abs(float(ce) - want.item()) < apart / 20 and float(zz) == pytest.approx(want_z.item(), rel=1e-5)
+
+
 def test_fused_and_reference_losses_agree_through_the_model():
     """The loss_fn of each path (--loss fused / reference) inside the model: the same loss and gradients, and
     both the same as autodiff of the model's own logits."""
