@@ -245,3 +245,20 @@ def test_stage2_from_an_olmo_core_checkpoint_follows_olmo_core_step_by_step(tiny
     )  # it compared something live
     worst = {k: max(rel(o[k], t[k]) for o, t in zip(ours, theirs)) for k in ("loss", "grad_norm")}
     print(f"stage 2, {len(ours)} steps: max relative difference {worst}")
+
+
+def test_next_stage_command_refuses_in_one_line_and_writes_nothing(tmp_path):
+    for args, said in [
+        (["--preset", "7b-midtran"], "error: --preset 7b-midtran: expected one of tiny, 190m"),
+        (["--preset", "7b-midtrain"], f"error: {tmp_path / 'stage1' / 'checkpoints'} does not exist"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "ckpt.py", "next-stage", tmp_path / "stage1", tmp_path / "stage2", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
+    assert not (tmp_path / "stage2").exists()
