@@ -1,7 +1,8 @@
 """What a run leaves on disk and the formats it converts (the only file that imports orbax): the run
 directory (the lock that gives it one writer, the metrics log and progress bar, the loss plot, preemption,
 log.txt), the Orbax checkpoints of the training state, Hugging Face `Olmo3ForCausalLM` directories in and
-out, and OLMo-core checkpoints (with their Adam state) in.
+out, OLMo-core checkpoints (with their Adam state) in, and a run's state carried into the next stage or two
+runs' weights averaged.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer

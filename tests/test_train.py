@@ -319,14 +319,35 @@ class MetricsOf:
         self.ce.append(float(value))
 
 
-def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_several_ranks(monkeypatch):
-    """OLMo-core's TransformerTrainModule.train_batch run as each of 4 data-parallel ranks on its rows of one
-    global batch (rows r, r + 4, ..., as its loader strides them), with instances dropped on one rank only,
-    and its ranks' gradients and losses averaged as FSDP's all-reduce (AVG) averages them; our train step with
-    --dp_ranks 4 on the whole batch: the same loss and gradient. One global count (--dp_ranks 1) is not."""
+def olmo_core_ranks(weights: dict, tokens: np.ndarray, keep: np.ndarray, ranks: int):
+    """OLMo-core's TransformerTrainModule.train_batch run as each of `ranks` data-parallel ranks on its rows
+    of one global batch (rows r, r + ranks, ..., as its loader strides them), from `weights` (by its names);
+    its ranks' losses and gradients averaged as FSDP's all-reduce (AVG) averages them: (CE loss, gradients)."""
     from olmo_core.optim import AdamWConfig
     from olmo_core.train.train_module import TransformerTrainModuleConfig
     from olmo_core_runs import olmo_core_config
+
+    rows, seq = tokens.shape
+    model = olmo_core_config().build(init_device="cpu")
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=rows // ranks * seq,
+        max_sequence_length=seq,
+        optim=AdamWConfig(lr=0.0),
+        z_loss_multiplier=1e-2,
+    ).build(model, device=torch.device("cpu"))
+    model.load_state_dict({k: torch.as_tensor(v.copy()) for k, v in weights.items()})  # once it has its own
+    metrics = MetricsOf()
+    module._attach_trainer(metrics)
+    for r in range(ranks):  # each rank's backward adds its gradient to the parameters'
+        rank_rows = {"input_ids": tokens[r::ranks], "instance_mask": keep[r::ranks]}
+        module.train_batch({k: torch.as_tensor(v) for k, v in rank_rows.items()})
+    return np.mean(metrics.ce), {k: p.grad.numpy() / ranks for k, p in model.named_parameters()}
+
+
+def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_several_ranks(monkeypatch):
+    """With instances dropped on one of 4 ranks only, OLMo-core's per-rank loss (olmo_core_ranks) and our
+    train step with --dp_ranks 4 on the whole batch: the same loss and gradient. One global count
+    (--dp_ranks 1) is not."""
     from test_olmo_core_ckpt import olmo_core_layout, our_config
 
     ranks, rows, seq = 4, 8, 16
@@ -335,26 +356,7 @@ def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_seve
     tokens = np.random.default_rng(0).integers(0, 256, (rows, seq))
     keep = np.array([True, False, True, True, True, False, True, True])  # rows 1 and 5: both rank 1's
     model = lambda: olmo3.Olmo3(mcfg, key=jax.random.key(0))  # a fresh one for each step (it is donated)
-    theirs = olmo_core_config().build(init_device="cpu")
-    module = TransformerTrainModuleConfig(
-        rank_microbatch_size=rows // ranks * seq,
-        max_sequence_length=seq,
-        optim=AdamWConfig(lr=0.0),
-        z_loss_multiplier=1e-2,
-    ).build(theirs, device=torch.device("cpu"))
-    # Our weights, once building the module has initialised its own.
-    theirs.load_state_dict({k: torch.as_tensor(v.copy()) for k, v in olmo_core_layout(model(), mcfg).items()})
-    metrics = MetricsOf()
-    module._attach_trainer(metrics)
-    for r in range(ranks):  # each rank's backward adds its gradient; averaged below, as FSDP's AVG
-        batch = {
-            "input_ids": torch.as_tensor(tokens[r::ranks]),
-            "instance_mask": torch.as_tensor(keep[r::ranks]),
-        }
-        module.train_batch(batch)
-    want_ce = np.mean(metrics.ce)
-    want_grads = {k: p.grad.numpy() / ranks for k, p in theirs.named_parameters()}
-
+    want_ce, want_grads = olmo_core_ranks(olmo_core_layout(model(), mcfg), tokens, keep, ranks)
     for dp_ranks in (ranks, 1):
         cfg = dataclasses.replace(
             train.PRESETS["tiny"],
@@ -366,15 +368,8 @@ def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_seve
             clip=1e9,
         )
         opt = train.init_opt(eqx.filter(model(), eqx.is_array), cfg)
-        _, opt, m = train.train_step(
-            model(),
-            opt,
-            jnp.asarray(tokens, jnp.int32),
-            jnp.float32(0),
-            cfg=cfg,
-            n_micro=2,
-            keep=jnp.asarray(keep),
-        )
+        batch, lr = jnp.asarray(tokens, jnp.int32), jnp.float32(0)
+        _, opt, m = train.train_step(model(), opt, batch, lr, cfg=cfg, n_micro=2, keep=jnp.asarray(keep))
         grads = olmo_core_layout(jax.tree.map(lambda mu: mu / (1 - cfg.beta1), opt.mu), mcfg)
         if (
             dp_ranks == 1
