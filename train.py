@@ -71,9 +71,7 @@ class TrainConfig:
     """The run: every field is a flag, and its comment (with the comment lines right below it) its --help."""
 
     preset: str = recipe("7b")  # the recipe below, and its model shape (olmo3.PRESETS) unless --model
-    model: str = (
-        ""  # model shape from olmo3.PRESETS; default: the preset's (a stage-2 preset names stage 1's)
-    )
+    model: str = ""  # the model (olmo3.PRESETS) if not the preset's own; a stage-2 preset names stage 1's
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
 
     # data (data_dtype first: below, the field `data` hides the module in this class body)
@@ -109,10 +107,8 @@ class TrainConfig:
     skip_window: int = recipe(128, low=2)  # ... the mean of this many previous steps, once half are known
     z_loss: float = recipe(1e-5, low=0)
     repeat_filter: int = recipe(0, low=0)  # drop instances repeating 1-13 tokens this often in a row; 0: off
-    dp_ranks: int = recipe(
-        1, low=1
-    )  # weigh the loss as OLMo-core over this many data-parallel ranks, whatever
-    # our mesh: rank r's rows (r, r + dp_ranks, ...) divided by its own count, the ranks averaged (row_weights)
+    dp_ranks: int = recipe(1, low=1)  # weigh the loss as OLMo-core does on this many data-parallel ranks,
+    # whatever our mesh: rank r's rows (r, r + dp_ranks, ...) over its own count, the ranks averaged
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
 
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
