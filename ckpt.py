@@ -1,12 +1,15 @@
 """What a run leaves on disk and the formats it converts (the only file that imports orbax): the run
 directory (the lock that gives it one writer, the metrics log and progress bar, the loss plot, preemption,
 log.txt), the Orbax checkpoints of the training state, Hugging Face `Olmo3ForCausalLM` directories in and
-out, and OLMo-core checkpoints (with their Adam state) in.
+out, OLMo-core checkpoints (with their Adam state) in, and a run's state carried into the next stage or two
+runs' weights averaged.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
     python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
     python ckpt.py from-olmo-core STEP_DIR RUN_DIR --preset 7b  # OLMo-core weights + Adam state -> step 0
+    python ckpt.py next-stage RUN_DIR NEW_RUN_DIR --preset 7b-midtrain  # weights + Adam state -> step 0
+    python ckpt.py average RUN_A RUN_B OUT  # the mean of two runs' weights -> step 0 of OUT (weights only)
 
 A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
 that stopped the run), `lock` while a run writes to it, with --wandb `wandb_id` (the W&B run it continues)
@@ -1288,9 +1291,10 @@ def import_hf(hf_dir, run_dir) -> Olmo3Config:
     return model.cfg
 
 
-def write_first_step(run_dir, model: Olmo3, train_state: dict | None, source) -> None:
+def write_first_step(run_dir, model: Olmo3, train_state: dict | None, *sources) -> None:
     """Step 0 of a new run directory: `model` and, if given, train.py's {"opt": ..., "key": ...}; the meta
-    names the model and `source` but no recipe, so any recipe of this model may continue from it."""
+    names the model and where it came from (`sources`) but no recipe, so any recipe of this model may
+    continue from it."""
     with RunLock(run_dir):
         ckpts = Checkpoints(run_dir)
         try:
@@ -1298,7 +1302,8 @@ def write_first_step(run_dir, model: Olmo3, train_state: dict | None, source) ->
                 raise FileExistsError(
                     f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory"
                 )
-            meta = {"model": config_to_hf(model.cfg), "source": str(Path(source).absolute())}
+            source = " + ".join(str(Path(s).absolute()) for s in sources)
+            meta = {"model": config_to_hf(model.cfg), "source": source}
             ckpts.save(0, model, train_state, meta=meta)
         finally:
             ckpts.close()
@@ -1601,18 +1606,112 @@ def import_olmo_core(ckpt_dir, run_dir, train_cfg, weights_only: bool = False) -
     is not saved). Everything is read and checked before RUN_DIR is touched. Reading holds one tensor beyond
     what it has built, but the state is built whole in host memory before Orbax writes it (weights and two
     moments in fp32, 12 bytes a parameter; Orbax copies it while it writes). Returns Adam's count."""
+    cfg = olmo3.PRESETS[train_cfg.model_preset]
+    model, adam = load_olmo_core(ckpt_dir, cfg, train_cfg.model_preset, weights_only)
+    write_first_step(run_dir, model, None if adam is None else carried_state(train_cfg, *adam), ckpt_dir)
+    return None if adam is None else adam[2]
+
+
+def carried_state(train_cfg, mu, nu, count) -> dict:
+    """train.py's state for step 0 of a new stage of recipe `train_cfg`: Adam's moments and step count carried
+    over, the skip-step history empty (OLMo-core does not save it, so a loaded run starts it afresh), and the
+    recipe's key."""
     import train  # its OptState is what a run restores (train.py imports this module, so not at the top)
 
-    cfg = olmo3.PRESETS[train_cfg.preset]
-    model, adam = load_olmo_core(ckpt_dir, cfg, train_cfg.preset, weights_only)
-    state = None
-    if adam is not None:
-        mu, nu, count = adam
-        window = jnp.zeros(train_cfg.skip_window, jnp.float32)
-        opt = train.OptState(jnp.float32(count), mu, nu, window, window, jnp.zeros((), jnp.int32))
-        state = {"opt": opt, "key": jax.random.key_data(jax.random.key(train_cfg.init_seed))}
-    write_first_step(run_dir, model, state, ckpt_dir)
-    return None if adam is None else adam[2]
+    window = jnp.zeros(train_cfg.skip_window, jnp.float32)
+    opt = train.OptState(jnp.float32(count), mu, nu, window, window, jnp.zeros((), jnp.int32))
+    return {"opt": opt, "key": jax.random.key_data(jax.random.key(train_cfg.init_seed))}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A new stage from one of our runs, and the average of two runs (AI2's soup of the 32B's midtraining runs).
+
+
+def read_train_state(ckpts: Checkpoints, step: int):
+    """Step `step` of a run as (model, train.py's OptState), whole on this process's first device; the skip
+    window sized as that run's was. CorruptCheckpoint if it does not read back intact."""
+    import train
+
+    cfg = config_from_hf(ckpts.read_meta(step)["model"], f"{ckpts.dir / str(step)} meta")
+    saved = ckpts.manager.item_metadata(step).get("train")
+    if saved is None:
+        raise ValueError(
+            f"{ckpts.dir / str(step)} holds weights only (no Adam state to carry over: written by from-hf?); "
+            "start the new stage with `train.py --init_from_hf` on an export, or pick another checkpoint"
+        )
+    window = saved.tree["opt"]["losses"].shape[0]
+    model = olmo3.abstract(cfg)
+    opt = eqx.filter_eval_shape(train.init_opt, model, train.TrainConfig(skip_window=window))
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    model, state, _ = ckpts.read(step, on_first_device(model), on_first_device({"opt": opt, "key": key}))
+    return model, state["opt"]
+
+
+def next_stage(run_dir, new_run_dir, train_cfg, step: int | None = None) -> tuple[int, float]:
+    """A checkpoint of one of train.py's runs (the newest valid, or `step`) as step 0 of a new run directory
+    for the next stage's recipe `train_cfg`, as OLMo-core's trainer starts a stage (a checkpoint loaded with its
+    optimizer state, without its trainer state): the weights, both Adam moments and Adam's step count carried
+    over; the step counter, the data position and the skip-step history start afresh, and the LR is the new
+    recipe's. The state is built whole in host memory (12 bytes a parameter), as from-olmo-core's. Refused,
+    before NEW_RUN_DIR is touched, if the checkpoint is not of the recipe's model. Returns (step, Adam's count)."""
+    import train
+
+    ckpts = Checkpoints(run_dir, read_only=True)
+    try:
+        if step is not None and step not in ckpts.steps():
+            raise FileNotFoundError(f"{ckpts.dir} has no checkpoint at step {step} (steps: {ckpts.steps()})")
+        found = (
+            (step, read_train_state(ckpts, step))
+            if step is not None
+            else ckpts.newest_valid(lambda s: read_train_state(ckpts, s))
+        )
+        if found is None:
+            raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
+    finally:
+        ckpts.close()
+    step, (model, opt) = found
+    want = config_to_hf(train.model_config(train_cfg))
+    if diff := {k: (v, want.get(k)) for k, v in config_to_hf(model.cfg).items() if v != want.get(k)}:
+        raise ValueError(
+            f"{ckpts.dir / str(step)} holds another model than --preset {train_cfg.preset}'s "
+            f"({train_cfg.model_preset}): {diff} (as (checkpoint, preset))"
+        )
+    write_first_step(
+        new_run_dir, model, carried_state(train_cfg, opt.mu, opt.nu, opt.count), ckpts.dir / str(step)
+    )
+    return step, float(opt.count)
+
+
+def newest_model(run_dir) -> tuple[int, Olmo3]:
+    """(step, model) of a run's newest valid checkpoint, whole on this process's first device; reads only."""
+    ckpts = Checkpoints(run_dir, read_only=True)
+    try:
+        found = ckpts.newest_valid(ckpts.read_model)
+    finally:
+        ckpts.close()
+    if found is None:
+        raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
+    return found
+
+
+def average(run_a, run_b, out) -> tuple[int, int]:
+    """The mean of two runs' weights (each run's newest valid checkpoint), as AI2 averaged the 32B's two
+    midtraining runs into its release, written as step 0 of a new run directory, weights only: `to-hf` exports
+    it, and train.py continues from it with Adam from zero (as AI2's stage 3 loads the average without optimizer
+    state). Both models are held in host memory (fp32: 8 bytes a parameter), the mean taken a tensor at a time.
+    Refused, before OUT is touched, if the two are not the same model. Returns the two steps."""
+    (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
+    if (ha := config_to_hf(a.cfg)) != (hb := config_to_hf(b.cfg)):
+        diff = {k: (ha.get(k), hb.get(k)) for k in ha.keys() | hb.keys() if ha.get(k) != hb.get(k)}
+        raise ValueError(f"{run_a} and {run_b} hold different models: {diff} (as ({run_a}, {run_b}))")
+    params, static = eqx.partition(a, is_array)
+    leaves, tree = jax.tree.flatten(params)
+    others = jax.tree.leaves(eqx.filter(b, is_array))
+    del a, b, params  # each tensor of either model is freed as soon as its mean replaces it
+    for i, other in enumerate(others):
+        leaves[i], others[i] = (leaves[i] + other) / 2, None
+    write_first_step(out, eqx.combine(jax.tree.unflatten(tree, leaves), static), None, run_a, run_b)
+    return step_a, step_b
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1671,6 +1770,21 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="import the weights alone (a checkpoint saved without Adam)",
     )
+    p = sub.add_parser(
+        "next-stage",
+        help="a run's newest valid checkpoint (weights, Adam's moments and count) as step 0 of the next stage",
+    )
+    p.add_argument("run_dir", help="the previous stage's run directory")
+    p.add_argument("new_run_dir")
+    p.add_argument("--preset", required=True, help="train.py's preset of the new stage, e.g. 7b-midtrain")
+    p.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
+    p = sub.add_parser(
+        "average",
+        help="the mean of two runs' weights (newest valid checkpoints) as step 0 of a new run, weights only",
+    )
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("out", help="a new run directory (export it with to-hf)")
     args = parser.parse_args(argv)
     shard.quiet_libtpu()
     try:
@@ -1703,6 +1817,15 @@ def run_command(args) -> int:
         return 0
     if args.command == "from-olmo-core":
         return import_olmo_core_command(args)
+    if args.command == "next-stage":
+        return next_stage_command(args)
+    if args.command == "average":
+        step_a, step_b = average(args.run_a, args.run_b, args.out)
+        print(
+            f"wrote the mean of {args.run_a} (step {step_a}) and {args.run_b} (step {step_b}) as step 0 of "
+            f"{args.out}; export it with:\n  python ckpt.py to-hf {args.out} OUT_HF_DIR"
+        )
+        return 0
     cfg = import_hf(args.hf_dir, args.run_dir)
     preset = preset_of(cfg)
     hint = (
@@ -1714,12 +1837,26 @@ def run_command(args) -> int:
     return 0
 
 
-def import_olmo_core_command(args) -> int:
+def train_preset(name: str):
     import train
 
-    if args.preset not in train.PRESETS:
-        raise ValueError(f"--preset {args.preset}: expected one of {', '.join(train.PRESETS)}")
-    count = import_olmo_core(args.checkpoint_dir, args.run_dir, train.PRESETS[args.preset], args.weights_only)
+    if name not in train.PRESETS:
+        raise ValueError(f"--preset {name}: expected one of {', '.join(train.PRESETS)}")
+    return train.PRESETS[name]
+
+
+def next_stage_command(args) -> int:
+    step, count = next_stage(args.run_dir, args.new_run_dir, train_preset(args.preset), args.step)
+    print(
+        f"wrote step {step} of {args.run_dir} (weights, Adam's moments, step count {count:g}) as step 0 of "
+        f"{args.new_run_dir}; continue with:\n  python train.py --preset {args.preset} --run_dir "
+        f"{args.new_run_dir} --data_root YOUR_DATA_ROOT"
+    )
+    return 0
+
+
+def import_olmo_core_command(args) -> int:
+    count = import_olmo_core(args.checkpoint_dir, args.run_dir, train_preset(args.preset), args.weights_only)
     adam = "weights only: Adam starts from zero" if count is None else f"Adam's moments, step count {count:g}"
     print(
         f"wrote {args.checkpoint_dir} ({adam}) as step 0 of {args.run_dir}; continue with:\n"

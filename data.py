@@ -71,7 +71,10 @@ def mix_lines(
     """(line number, label, token file under data_root) for each entry of an OLMo-core mix file (`label,path`
     lines, `#` comments)."""
     if not os.path.isfile(mix_file):
-        raise FileNotFoundError(f"mix file {mix_file} does not exist")
+        raise FileNotFoundError(
+            f"mix file {mix_file} does not exist (OLMo-core's official mixes are in its package, "
+            "olmo_core/data/mixes/; pass the file's path)"
+        )
     entries = []
     with open(mix_file) as f:
         for n, line in enumerate(f, 1):

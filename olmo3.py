@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray, Shaped
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer-type names of HF's config.json
 MAX_PERIOD = 8  # the longest group of layer types the scan body unrolls
@@ -604,7 +604,7 @@ def count_params(model: Olmo3) -> int:
 # loss (`sums`) and differentiated by autodiff of `sums` alone in one pass, so they are read once.
 
 Sums = Callable[
-    [Float[Array, "batch chunk vocab"], Int[Array, "batch chunk"], Bool[Array, "batch chunk"]], tuple
+    [Float[Array, "batch chunk vocab"], Int[Array, "batch chunk"], Shaped[Array, "batch chunk"]], tuple
 ]
 
 
@@ -613,20 +613,21 @@ def lm_head_sums(
     w: Float[Array, "embed vocab"],
     sums: Sums,
     targets: Int[Array, "batch seq"],
-    mask: Bool[Array, "batch seq"],
+    mask: Shaped[Array, "batch seq"],
     chunk: int,
     weights: tuple | None = None,
 ):
-    """`sums(logits, targets, mask)`, a tuple of scalars, added up over `chunk` positions of every instance at
-    a time (0: the whole sequence); given `weights`, one per sum, also the gradients of the weighted total
-    with respect to x and w (else None, None)."""
+    """`sums(logits, targets, mask)` (mask: which positions count, or each one's weight), a tuple of scalars,
+    added up over `chunk` positions of every instance at a time (0: the whole sequence); given `weights`, one
+    per sum, also the gradients of the weighted total with respect to x and w (else None, None)."""
     batch, seq, embed = x.shape
     chunk = chunk or seq
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
 
     def one(dw_so_far, inputs):  # the chunks scan over the sequence, so the batch stays split over devices
         x_chunk, targets_chunk, mask_chunk = inputs  # batch chunk embed, batch chunk, batch chunk
-        chunk_logits = linear(x_chunk, w, out_dtype=jnp.float32)  # batch chunk vocab
+        # In x's dtype, as OLMo-core's LM head makes them: bf16 under its bf16 policy (`sums` upcasts them).
+        chunk_logits = linear(x_chunk, w, out_dtype=x.dtype)  # batch chunk vocab
         chunk_sums, vjp = jax.vjp(lambda logits: sums(logits, targets_chunk, mask_chunk), chunk_logits)
         if weights is None:
             return dw_so_far, (chunk_sums, None)

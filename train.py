@@ -1,17 +1,20 @@
-"""Stage 1 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train step,
-the run (its steps, its loop, main), and last the command line.
+"""Stages 1 and 2 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train
+step, the run (its steps, its loop, main), and last the command line.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
     python train.py --preset 7b --data mix.txt --data_root /mnt/olmo-data --run_dir runs/7b
     python train.py --preset 7b --dry_run --topology v5p-512   # compile for a TPU slice from any machine
     python train.py --preset 7b --init_from_hf Olmo-3-1025-7B-stage1-step0 ...
+    python ckpt.py next-stage runs/7b runs/7b-midtrain --preset 7b-midtrain   # stage 1's state as step 0 ...
+    python train.py --preset 7b-midtrain --data_root /mnt/olmo-data            # ... of stage 2 (midtraining)
     python train.py --help                             # every flag, its default and what it does
 
 Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunning the same command with the
 same --run_dir resumes from the newest valid checkpoint, bit for bit: the data order is a pure function of
 (seed, step), and everything else that shapes step k+1 is in the checkpoint.
 The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py` (stage 1 of the 7B) and
-`OLMo-3-1025-32B-pretrain.py`; the fields marked `recipe(...)` below are theirs.
+`OLMo-3-1025-32B-pretrain.py`, and for stage 2 `OLMo-3-1025-7B-midtrain.py` and the 32B's two
+`-midtrain-ingredient-*.py`; the fields marked `recipe(...)` below are theirs.
 """
 
 import dataclasses
@@ -33,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 import ckpt
 import data
@@ -67,7 +70,8 @@ COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 class TrainConfig:
     """The run: every field is a flag, and its comment (with the comment lines right below it) its --help."""
 
-    preset: str = recipe("7b")  # model shape from olmo3.PRESETS, and the recipe below
+    preset: str = recipe("7b")  # the recipe below, and its model shape (olmo3.PRESETS) unless --model
+    model: str = ""  # the model (olmo3.PRESETS) if not the preset's own; a stage-2 preset names stage 1's
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
 
     # data (data_dtype first: below, the field `data` hides the module in this class body)
@@ -87,9 +91,13 @@ class TrainConfig:
     # optimizer: OLMo-core's SkipStepAdamW
     lr: float = recipe(3e-4, above=0)  # peak learning rate
     warmup_steps: int = recipe(2000, low=0)  # linear from 0
-    lr_horizon: int = recipe(1_192_093, low=1)  # cosine length in steps: ceil(5e12 tokens / 4,194,304)
-    lr_final: float = recipe(0.1, low=0, high=1)  # the cosine ends at lr * lr_final
-    steps: int = recipe(597_046, low=1)  # part 1 of stage 1 stops here (mid-cosine), as the official run did
+    schedule: str = recipe("cosine", choices=("cosine", "linear"))  # after warmup: OLMo-core's CosWithWarmup
+    # (stage 1) or LinearWithWarmup (stages 2 and 3), from lr to lr * lr_final at lr_horizon
+    lr_horizon: int = recipe(1_192_093, low=0)  # schedule length in steps: ceil(5e12 tokens / 4,194,304); 0:
+    # one epoch of --data (OLMo-core's Duration.epochs(1): the instances over the batch), reported at the start
+    lr_final: float = recipe(0.1, low=0, high=1)  # the schedule ends at lr * lr_final (OLMo-core's alpha_f)
+    steps: int = recipe(597_046, low=0)  # part 1 of stage 1 stops here (mid-cosine), as the official run did;
+    # 0: one epoch of --data
     beta1: float = recipe(0.9, low=0, high=1)
     beta2: float = recipe(0.95, low=0, high=1)
     eps: float = recipe(1e-8, above=0)
@@ -99,6 +107,8 @@ class TrainConfig:
     skip_window: int = recipe(128, low=2)  # ... the mean of this many previous steps, once half are known
     z_loss: float = recipe(1e-5, low=0)
     repeat_filter: int = recipe(0, low=0)  # drop instances repeating 1-13 tokens this often in a row; 0: off
+    dp_ranks: int = recipe(1, low=1)  # weigh the loss as OLMo-core does on this many data-parallel ranks,
+    # whatever our mesh: rank r's rows (r, r + dp_ranks, ...) over its own count, the ranks averaged
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
 
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
@@ -148,6 +158,11 @@ class TrainConfig:
             raise FlagError(f"--head_layout {self.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
         shard.parse_mesh(self.mesh, None)  # ValueError naming --mesh
 
+    @property
+    def model_preset(self) -> str:
+        """The olmo3.PRESETS name of the model this recipe trains."""
+        return self.model or self.preset
+
 
 # The official stage-1 recipe is the default above; the smaller presets scale it down.
 PRESETS = {
@@ -174,34 +189,84 @@ PRESETS = {
     ),
     "1b": TrainConfig("1b", lr=4e-4, lr_horizon=100_000, steps=100_000, seq_len=4096, run_dir="runs/1b"),
     "7b": TrainConfig(),
-    # OLMo-core's OLMo-3-1025-32B-pretrain.py: 8M tokens a step, lr 6e-4 (cosine to 0.1x after 2000 warmup
-    # steps, over one epoch of the mix: 706,907 steps, where AI2's released stage 1 ends at step 656,000),
-    # and its instance filter, InstanceFilterConfig(13, 1, 32); the rest as the 7B's.
+    # OLMo-core's OLMo-3-1025-32B-pretrain.py: the 0925 mix, 8M tokens a step, lr 6e-4 (cosine to 0.1x after
+    # 2000 warmup steps), for one epoch of the mix (Duration.epochs(1), computed from the data; AI2's stage 2
+    # starts from its step 656,000), and its instance filter, InstanceFilterConfig(13, 1, 32); else the 7B's.
     "32b": TrainConfig(
         "32b",
+        data="OLMo-mix-0925-official.txt",
         lr=6e-4,
         global_batch=1024,
-        lr_horizon=706_907,
-        steps=706_907,
+        lr_horizon=0,
+        steps=0,
         repeat_filter=32,
+        dp_ranks=1024,  # AI2's 32B ran one instance per rank
         run_dir="runs/32b",
     ),
+    # Stage 2 (midtraining) goes on from the weights and Adam state of stage 1's last step (`ckpt.py
+    # next-stage` or `from-olmo-core` writes them as step 0 of its run directory): 100B tokens of a new mix,
+    # the LR decaying linearly from the script's literal to 0 (a new step count, data order and LR; Adam's own
+    # step count goes on). OLMo-core's OLMo-3-1025-7B-midtrain.py: 2M tokens a step, so ceil(1e11 / 2**21) =
+    # 47,684 steps; its LR is stage 1's cosine at step 476,838; no instance filter.
+    "7b-midtrain": TrainConfig(
+        "7b-midtrain",
+        model="7b",
+        data="OLMo-midtraining-mix-0625-100B.txt",
+        global_batch=256,
+        seed=1337,
+        lr=2.0712352850360292e-4,
+        schedule="linear",
+        warmup_steps=0,
+        lr_final=0.0,
+        lr_horizon=47_684,
+        steps=47_684,
+        run_dir="runs/7b-midtrain",
+    ),
+    # OLMo-core's OLMo-3-1025-32B-midtrain-ingredient-1.py and -2.py, from the 32B's stage-1 step 656,000: two
+    # runs, each on its own mix, that AI2 averaged into the released model (`ckpt.py average`). 4M tokens a step:
+    # ceil(1e11 / 2**22) = 23,842 steps; seed 42069; the LR literal as those scripts write it; the 32B's filter
+    # (their rank count is not in the scripts, so --dp_ranks stays 1: one count for the whole batch).
+    "32b-midtrain-1": TrainConfig(
+        "32b-midtrain-1",
+        model="32b",
+        data="OLMo-midtraining-mix-0925-ingredient1-100B.txt",
+        global_batch=512,
+        seed=42069,
+        lr=0.0002071235285,
+        schedule="linear",
+        warmup_steps=0,
+        lr_final=0.0,
+        lr_horizon=23_842,
+        steps=23_842,
+        repeat_filter=32,
+        run_dir="runs/32b-midtrain-1",
+    ),
 }
+PRESETS["32b-midtrain-2"] = dataclasses.replace(
+    PRESETS["32b-midtrain-1"],
+    preset="32b-midtrain-2",
+    data="OLMo-midtraining-mix-0925-ingredient2-100B.txt",
+    run_dir="runs/32b-midtrain-2",
+)
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The learning-rate schedule: linear warmup from 0, then cosine to lr * lr_final (OLMo-core CosWithWarmup).
+# The learning-rate schedule: linear warmup from 0, then cosine (OLMo-core's CosWithWarmup) or linear
+# (LinearWithWarmup) to lr * lr_final at lr_horizon, and there it stays.
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR of optimizer step `step`, counted from 1 as OLMo-core counts (the first step is step 1)."""
+    """LR of optimizer step `step`, counted from 1 as OLMo-core counts (the first step is step 1); a new stage
+    counts from 1 again. So a linear decay to 0 over all the steps spends its last step at LR 0, as OLMo-core's."""
     if step < cfg.warmup_steps:
         return cfg.lr * step / cfg.warmup_steps
-    if step >= cfg.lr_horizon:
-        return cfg.lr * cfg.lr_final
-    progress = (step - cfg.warmup_steps) / (cfg.lr_horizon - cfg.warmup_steps)
     low = cfg.lr * cfg.lr_final
+    if step >= cfg.lr_horizon:
+        return low
+    progress = (step - cfg.warmup_steps) / (cfg.lr_horizon - cfg.warmup_steps)
+    if cfg.schedule == "linear":
+        return cfg.lr - (cfg.lr - low) * progress
     return low + (cfg.lr - low) * (1 + math.cos(math.pi * progress)) / 2
 
 
@@ -264,8 +329,9 @@ def optimizer_step(params, grads, opt: OptState, lr, ce_loss, grad_norm, cfg: Tr
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted,
-# plus z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions (OLMo-core).
+# The loss: cross-entropy in fp32 over the padded vocab, the last position of each instance untargeted, plus
+# z-loss = z_loss * mean(logsumexp^2), both averaged over the targeted positions as OLMo-core averages them
+# (row_weights). The logits are in the compute dtype, upcast by the loss, as OLMo-core's under its policy.
 # `loss_sums` defines it, in one place; two paths compute it with the LM head, the same maths:
 # - reference: logits for the whole batch, differentiated by autodiff.
 # - fused (the default): olmo3.fused_lm_head, a chunk of positions at a time, each chunk's logits reduced by
@@ -280,10 +346,12 @@ def cross_entropy(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"]):
     return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0], lse
 
 
-def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], mask: Bool[Array, "*#n"]):
-    """The loss, in one place: summed CE and summed logsumexp^2 over the targeted positions."""
+def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], weight: Shaped[Array, "*#n"]):
+    """The loss, in one place: CE and logsumexp^2 summed over the positions, each times its weight (0 or
+    False: not targeted; True: 1)."""
     ce, lse = cross_entropy(logits, targets)
-    return jnp.where(mask, ce, 0).sum(), jnp.where(mask, lse * lse, 0).sum()
+    counted = lambda v: jnp.where(weight != 0, v * weight, 0).sum()
+    return counted(ce), counted(lse * lse)
 
 
 def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
@@ -292,20 +360,31 @@ def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
     return keep[:, None] & (jnp.arange(seq) < seq - 1)[None, :]
 
 
-def loss_fn(model, tokens, keep, n_targets, cfg: TrainConfig, layout=None):
-    """The loss over the batch's targeted positions, divided by n_targets; aux: its CE and z-loss parts."""
+def row_weights(keep: Bool[Array, " batch"], seq: int, ranks: int) -> Float[Array, " batch"]:
+    """Each row's weight in the loss, as OLMo-core's train module weighs it on `ranks` data-parallel ranks:
+    rank r holds rows r, r + ranks, ... (its loader's stride) and divides their loss by its own count, the
+    targeted positions plus every token of a dropped instance (counted as zero-loss tokens, so each rank
+    weighs the same); the ranks' gradients are averaged. With one rank: one global count."""
+    by_rank = keep.reshape(-1, ranks)  # [i, r]: row i * ranks + r
+    count = by_rank.shape[0] * (seq - 1) + (~by_rank).sum(axis=0)  # ranks
+    return jnp.tile(1 / (ranks * count.astype(jnp.float32)), by_rank.shape[0])
+
+
+def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None):
+    """The loss over the batch's targeted positions, each row's weighted by `row_weight` (row_weights); aux:
+    its CE and z-loss parts."""
     x = model.features(tokens, layout)
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
-    mask, scale = targeted(keep, tokens.shape[1]), 1 / jnp.float32(n_targets)
+    weight = jnp.where(targeted(keep, tokens.shape[1]), row_weight[:, None], 0)  # batch seq
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, mask)
-            loss = (ce + cfg.z_loss * zz) * scale
+            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=x.dtype), targets, weight)
+            loss = ce + cfg.z_loss * zz
         else:
-            weights = (scale, scale * cfg.z_loss)  # of the two sums, in the loss
-            loss, (ce, zz) = olmo3.fused_lm_head(x, w, loss_sums, targets, mask, weights, cfg.loss_chunk)
+            weights = (jnp.float32(1), jnp.float32(cfg.z_loss))  # of the two sums, in the loss
+            loss, (ce, zz) = olmo3.fused_lm_head(x, w, loss_sums, targets, weight, weights, cfg.loss_chunk)
             ce, zz = jax.lax.stop_gradient((ce, zz))
-    return loss, (ce * scale, cfg.z_loss * zz * scale)
+    return loss, (ce, cfg.z_loss * zz)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -323,18 +402,16 @@ def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: in
     params = eqx.filter(model, eqx.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     keep = jnp.ones(rows, bool) if keep is None else keep
-    # OLMo-core divides by the targeted positions plus every token of a dropped instance (its train module
-    # counts them as zero-loss tokens, so each rank weighs the same).
-    n_targets = rows * (seq - 1) + (rows - keep.sum())
+    row_weight = row_weights(keep, seq, cfg.dp_ranks)
 
     def accumulate(acc, micro):
-        (_, (ce, z)), grads = grad_fn(model, *micro, n_targets, cfg, layout)
+        (_, (ce, z)), grads = grad_fn(model, *micro, cfg, layout)
         return jax.tree.map(jnp.add, acc, (grads, ce, z)), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
     split = lambda a: a.reshape(rows // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1)
     zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, (split(batch), split(keep)))
+    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, (split(batch), split(keep), split(row_weight)))
 
     with jax.named_scope("optimizer"):
         grad_norm = optax.tree.norm(grads)
@@ -379,7 +456,7 @@ def attention_kernel(cfg: TrainConfig, platform: str) -> str:
 
 def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
     """The preset's model (or `base`) in this run's head layout and sequence length."""
-    m = base or olmo3.PRESETS[cfg.preset]
+    m = base or olmo3.PRESETS[cfg.model_preset]
     if cfg.head_layout:
         m = m.with_heads(*map(int, cfg.head_layout.split("x")))
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
@@ -470,7 +547,7 @@ def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
     n_params = olmo3.count_params(olmo3.abstract(model_cfg))
     say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     say(
-        f"model: {cfg.preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
+        f"model: {cfg.model_preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
         f"{model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} GFLOPs per token to train (exact causal/sliding count)"
     )
     say(
@@ -506,6 +583,7 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
     loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    cfg = one_epoch_where_asked(cfg, loader.num_batches)
     eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
     if cfg.eval_only:
         check_eval_only(cfg, eval_sets)
@@ -516,6 +594,16 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
         )
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
     return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tokenizer_path, meta)
+
+
+def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
+    """--lr_horizon 0 and --steps 0 as one epoch of the data, `epoch` batches, as OLMo-core's trainer turns
+    Duration.epochs(1) into its max_steps; the run records the number, so a resume on other data is refused."""
+    if cfg.lr_horizon and cfg.steps:
+        return cfg
+    zeros = " and ".join(f"--{k} 0" for k in ("lr_horizon", "steps") if not getattr(cfg, k))
+    say(f"one epoch of --data: {epoch:,} steps of {cfg.global_batch} x {cfg.seq_len} tokens ({zeros})")
+    return dataclasses.replace(cfg, lr_horizon=cfg.lr_horizon or epoch, steps=cfg.steps or epoch)
 
 
 def padded_eval_sets(
@@ -577,7 +665,7 @@ def restore_or_init(run: Run):
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
     key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
     refuse_mismatch = lambda meta: ckpt.check_resume(
-        meta, run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
+        with_recipe_defaults(meta), run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
     like = {"opt": opt_like, "key": key_like}
     restored = run.checkpoints.restore_latest(
@@ -597,6 +685,15 @@ def restore_or_init(run: Run):
         init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
         model = eqx.filter_jit(init)(key)
     return 0, model, make_opt(model), key
+
+
+def with_recipe_defaults(meta: dict) -> dict:
+    """A checkpoint's metadata with each recipe field it predates (e.g. --schedule) at its default, which is
+    what that run trained with."""
+    if "config" not in meta:
+        return meta
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in RECIPE_FIELDS}
+    return meta | {"config": defaults | meta["config"]}
 
 
 def read_batches(run: Run, start: int) -> data.Prefetcher:
@@ -790,7 +887,7 @@ def main(cfg: TrainConfig) -> int:
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, target)
     run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
-    trains, stopped = False, False
+    cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         open_run_dir(run)
         start, model, opt, key = restore_or_init(run)
@@ -927,13 +1024,17 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError(f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'")
     if cfg.wandb_run and not cfg.wandb:
         raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
+    if cfg.global_batch % cfg.dp_ranks:
+        raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
+    if cfg.model_preset not in olmo3.PRESETS:
+        raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.PRESETS)}")
     try:  # the head layout must fit the preset's width
         model = model_config(cfg)
     except ValueError as e:
         raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
     try:  # released weights must be the preset's model
         if cfg.init_from_hf:
-            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.preset)
+            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.model_preset)
     except ValueError as e:
         raise FlagError(str(e)) from None
 

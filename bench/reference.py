@@ -130,7 +130,7 @@ class Recorder(Callback):
         }
 
     def log_metrics(self, step, metrics):
-        if step == 0:  # the trainer's dry-run batch, which trains nothing
+        if step == 0 or "train/CE loss" not in metrics:  # the dry-run batch; a checkpoint save's timings
             return
         self.rows[step].update(
             loss=metrics["train/CE loss"] + metrics["train/Z loss"],
@@ -155,9 +155,9 @@ def olmo_core_tokenizer(tok: data.Tokenizer) -> TokenizerConfig:
     )
 
 
-def olmo_core_module(args, tokenizer: TokenizerConfig):
+def olmo_core_module(args, tokenizer: TokenizerConfig, scheduler=None):
     """OLMo-core's model and train module (optimizer, schedule, loss) as the recipe configures them, scaled
-    down; building it initialises the weights (init_seed 0)."""
+    down; building it initialises the weights (init_seed 0). `scheduler`: another than stage 1's cosine."""
     window = SlidingWindowAttentionConfig(
         pattern=[args.window] * 3 + [-1],
         force_full_attention_on_first_layer=False,
@@ -187,7 +187,7 @@ def olmo_core_module(args, tokenizer: TokenizerConfig):
         optim=optim,
         z_loss_multiplier=1e-5,
         max_grad_norm=1.0,
-        scheduler=CosWithWarmup(warmup=args.warmup, alpha_f=args.lr_final, t_max=args.steps),
+        scheduler=scheduler or CosWithWarmup(warmup=args.warmup, alpha_f=args.lr_final, t_max=args.steps),
     ).build(model, device=torch.device("cpu"))
 
 

@@ -62,7 +62,9 @@ def test_parse_args_types_and_errors():
         train.parse_args(["--stepz", "3"])
     with pytest.raises(train.FlagError, match="--steps 'many': expected int"):
         train.parse_args(["--steps", "many"])
-    with pytest.raises(train.FlagError, match="--preset 'huge': expected one of tiny, 190m, 1b, 7b, 32b"):
+    with pytest.raises(
+        train.FlagError, match="--preset 'huge': expected one of tiny, 190m, 1b, 7b, 32b, 7b-midtrain"
+    ):
         train.parse_args(["--preset", "huge"])
     with pytest.raises(train.FlagError, match="--eval_only 'maybe': expected true or false"):
         train.parse_args(["--eval_only=maybe"])
@@ -95,6 +97,78 @@ def test_lr_schedule_matches_olmo_core():
     for step in [0, 1, 2, 999, 1999, 2000, 2001, 100_000, 597_046, 1_192_092, 1_192_093, 1_413_814]:
         assert train.lr_at(step, cfg) == pytest.approx(sched.get_lr(cfg.lr, step, cfg.lr_horizon), rel=1e-12)
     assert train.lr_at(597_046, cfg) == pytest.approx(1.650e-4, rel=1e-3)  # spec: LR where part 1 stops
+
+
+@pytest.mark.parametrize("preset", ["7b-midtrain", "32b-midtrain-1", "warmup 100, to 0.1x"])
+def test_linear_schedule_matches_olmo_core_linear_with_warmup(preset):
+    """OLMo-core's LinearWithWarmup object as the trainer calls it (t_max: the trainer's max_steps), step by
+    step through the stage's end, where the last step's LR is 0; and with a warmup and a floor."""
+    from olmo_core.optim.scheduler import LinearWithWarmup
+
+    cfg = train.PRESETS.get(preset) or dataclasses.replace(
+        train.PRESETS["7b-midtrain"], warmup_steps=100, lr_final=0.1, lr_horizon=1000, steps=1000
+    )
+    sched = LinearWithWarmup(warmup=cfg.warmup_steps, alpha_f=cfg.lr_final)
+    for step in [*range(0, 120), *range(cfg.steps - 5, cfg.steps + 3), cfg.steps // 2, cfg.steps // 3]:
+        want = sched.get_lr(cfg.lr, step, cfg.steps)
+        assert train.lr_at(step, cfg) == pytest.approx(want, rel=1e-12, abs=1e-18), step
+    assert train.lr_at(cfg.steps, cfg) == cfg.lr * cfg.lr_final
+
+
+def test_7b_midtrain_preset_is_the_official_stage2_recipe():
+    """OLMo-core's src/scripts/official/OLMo3/OLMo-3-1025-7B-midtrain.py, field by field."""
+    cfg, stage1 = train.PRESETS["7b-midtrain"], train.PRESETS["7b"]
+    assert cfg.model_preset == "7b" and cfg.seq_len == 8192 and cfg.global_batch * cfg.seq_len == 2**21
+    assert cfg.data == "OLMo-midtraining-mix-0625-100B.txt" and cfg.seed == 1337
+    assert (cfg.schedule, cfg.warmup_steps, cfg.lr_final) == ("linear", 0, 0.0)  # LinearWithWarmup(0, 0.0)
+    assert cfg.lr == 0.00020712352850360292  # LR, the literal: stage 1's cosine at step 476,838, exactly
+    assert cfg.lr == train.lr_at(476_838, stage1)
+    assert cfg.lr_horizon == cfg.steps == -(-100_000_000_000 // 2**21)  # Duration.tokens(100B), as max_steps
+    assert cfg.repeat_filter == 0  # NumpyFSLDatasetConfig without an instance filter
+    same = [f for f in train.RECIPE_FIELDS if f not in ("preset", "data", "global_batch", "seed", "lr")]
+    same = [f for f in same if f not in ("schedule", "warmup_steps", "lr_final", "lr_horizon", "steps")]
+    assert {f: getattr(cfg, f) for f in same} == {f: getattr(stage1, f) for f in same}  # optimizer, z-loss
+
+
+def test_32b_midtrain_presets_are_the_official_ingredient_recipes():
+    """OLMo-3-1025-32B-midtrain-ingredient-1.py and -2.py: alike but for the mix."""
+    one, two, stage1 = (train.PRESETS[p] for p in ("32b-midtrain-1", "32b-midtrain-2", "32b"))
+    assert one.model_preset == two.model_preset == "32b" and one.global_batch * one.seq_len == 4 * 1024 * 1024
+    assert (one.lr, one.seed, one.schedule, one.warmup_steps, one.lr_final) == (
+        0.0002071235285,
+        42069,
+        "linear",
+        0,
+        0.0,
+    )
+    assert one.lr_horizon == one.steps == -(-100_000_000_000 // 2**22)
+    assert one.repeat_filter == stage1.repeat_filter == 32  # InstanceFilterConfig(13, 1, 32)
+    assert one.data == "OLMo-midtraining-mix-0925-ingredient1-100B.txt"
+    assert two.data == "OLMo-midtraining-mix-0925-ingredient2-100B.txt"
+    differ = {"preset", "data", "run_dir"}
+    assert {k: v for k, v in dataclasses.asdict(one).items() if k not in differ} == {
+        k: v for k, v in dataclasses.asdict(two).items() if k not in differ
+    }
+
+
+def test_a_checkpoint_from_before_the_schedule_field_resumes_as_cosine():
+    """A stage-1 run saved before --schedule existed trained with the cosine: it resumes, and a linear
+    schedule is refused as a change of recipe."""
+    import ckpt
+
+    cfg = train.PRESETS["tiny"]
+    saved = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "schedule"}}
+    saved |= {"model": {}, "data": None}
+    expected = {"config": dataclasses.asdict(cfg), "model": {}, "data": None}
+    check = lambda meta, now: ckpt.check_resume(
+        train.with_recipe_defaults(meta), now, train.RECIPE_FIELDS, False, "runs/x"
+    )
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train.data, "check_fingerprint", lambda a, b: None)
+        check(saved, expected)
+        linear = {**expected, "config": dataclasses.asdict(dataclasses.replace(cfg, schedule="linear"))}
+        with pytest.raises(ckpt.ResumeRefused, match="schedule: 'cosine' -> 'linear'"):
+            check(saved, linear)
 
 
 @pytest.mark.parametrize("path,chunk", [("fused", 0), ("fused", 8), ("reference", 0)])
@@ -145,6 +219,35 @@ def test_lm_head_loss_and_gradients_match_olmo_core(path, chunk):
     np.testing.assert_allclose(dw, tw.grad.numpy(), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_bf16_logits_as_olmo_core_s_lm_head_makes_them_under_its_bf16_policy(path):
+    """In bf16, OLMo-core's LM head (bf16 parameters under its FSDP policy) emits bf16 logits, which its
+    cross_entropy_loss upcasts: our loss in bf16 is the loss of those logits, not of fp32 ones made from the
+    same bf16 features and weights (which differ from OLMo-core's by the logits' rounding)."""
+    from olmo_core.nn.functional import cross_entropy_loss
+
+    rng = np.random.default_rng(0)
+    batch, seq, d, vocab = 2, 16, 64, 256
+    x = jnp.asarray(rng.standard_normal((batch, seq, d)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((d, vocab)) / 8, jnp.bfloat16)
+    tokens = rng.integers(0, vocab, (batch, seq))
+    targets, mask = jnp.roll(jnp.asarray(tokens), -1, axis=-1), train.targeted(jnp.ones(batch, bool), seq)
+    as_torch = lambda a: torch.as_tensor(np.asarray(a.astype(jnp.float32))).bfloat16()
+    logits = (as_torch(x) @ as_torch(w)).view(-1, vocab)  # bf16, as F.linear with bf16 parameters
+    labels = torch.as_tensor(np.where(np.asarray(mask), np.asarray(targets), -100)).long().view(-1)
+    want, want_z = cross_entropy_loss(
+        logits, labels, reduction="sum", compute_z_loss=True, z_loss_multiplier=1
+    )
+    if path == "fused":
+        (ce, zz), _, _ = olmo3.lm_head_sums(x, w, train.loss_sums, targets, mask, 8)
+    else:
+        ce, zz = train.loss_sums(olmo3.linear(x, w, out_dtype=x.dtype), targets, mask)
+    fp32, _ = train.loss_sums(olmo3.linear(x, w, out_dtype=jnp.float32), targets, mask)
+    apart = abs(float(fp32) - want.item())
+    assert apart > 2e-5 * want.item()  # the logits' rounding shows in the loss
+    assert abs(float(ce) - want.item()) < apart / 20 and float(zz) == pytest.approx(want_z.item(), rel=1e-5)
+
+
 def test_fused_and_reference_losses_agree_through_the_model():
     """The loss_fn of each path (--loss fused / reference) inside the model: the same loss and gradients, and
     both the same as autodiff of the model's own logits."""
@@ -160,7 +263,7 @@ def test_fused_and_reference_losses_agree_through_the_model():
     for cfg in (fused, dataclasses.replace(fused, loss="reference")):
         keep = jnp.ones(2, bool)
         (loss, _), grads = eqx.filter_value_and_grad(train.loss_fn, has_aux=True)(
-            model, tokens, keep, 62, cfg
+            model, tokens, keep, jnp.full(2, 1 / 62, jnp.float32), cfg
         )
         np.testing.assert_allclose(loss, want, rtol=1e-6)
         for ours, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -203,13 +306,89 @@ def test_dropped_instances_count_as_olmo_core_s_train_module_counts_them():
     np.testing.assert_allclose(results[2], results[0], rtol=1e-5, atol=1e-9)
 
 
+class MetricsOf:
+    """What an OLMo-core train module reports to its trainer, kept: a stand-in for the Trainer it needs."""
+
+    def __init__(self):
+        self.ce = []
+
+    def record_metric(self, *args, **kwargs):
+        pass
+
+    def record_ce_loss(self, value, reduce_type=None):
+        self.ce.append(float(value))
+
+
+def olmo_core_ranks(weights: dict, tokens: np.ndarray, keep: np.ndarray, ranks: int):
+    """OLMo-core's TransformerTrainModule.train_batch run as each of `ranks` data-parallel ranks on its rows
+    of one global batch (rows r, r + ranks, ..., as its loader strides them), from `weights` (by its names);
+    its ranks' losses and gradients averaged as FSDP's all-reduce (AVG) averages them: (CE loss, gradients)."""
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+    from olmo_core_runs import olmo_core_config
+
+    rows, seq = tokens.shape
+    model = olmo_core_config().build(init_device="cpu")
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=rows // ranks * seq,
+        max_sequence_length=seq,
+        optim=AdamWConfig(lr=0.0),
+        z_loss_multiplier=1e-2,
+    ).build(model, device=torch.device("cpu"))
+    model.load_state_dict({k: torch.as_tensor(v.copy()) for k, v in weights.items()})  # once it has its own
+    metrics = MetricsOf()
+    module._attach_trainer(metrics)
+    for r in range(ranks):  # each rank's backward adds its gradient to the parameters'
+        rank_rows = {"input_ids": tokens[r::ranks], "instance_mask": keep[r::ranks]}
+        module.train_batch({k: torch.as_tensor(v) for k, v in rank_rows.items()})
+    return np.mean(metrics.ce), {k: p.grad.numpy() / ranks for k, p in model.named_parameters()}
+
+
+def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_several_ranks(monkeypatch):
+    """With instances dropped on one of 4 ranks only, OLMo-core's per-rank loss (olmo_core_ranks) and our
+    train step with --dp_ranks 4 on the whole batch: the same loss and gradient. One global count
+    (--dp_ranks 1) is not."""
+    from test_olmo_core_ckpt import olmo_core_layout, our_config
+
+    ranks, rows, seq = 4, 8, 16
+    monkeypatch.setitem(olmo3.PRESETS, "olmo-core-14m", our_config())
+    mcfg = olmo3.PRESETS["olmo-core-14m"]
+    tokens = np.random.default_rng(0).integers(0, 256, (rows, seq))
+    keep = np.array([True, False, True, True, True, False, True, True])  # rows 1 and 5: both rank 1's
+    model = lambda: olmo3.Olmo3(mcfg, key=jax.random.key(0))  # a fresh one for each step (it is donated)
+    want_ce, want_grads = olmo_core_ranks(olmo_core_layout(model(), mcfg), tokens, keep, ranks)
+    for dp_ranks in (ranks, 1):
+        cfg = dataclasses.replace(
+            train.PRESETS["tiny"],
+            preset="olmo-core-14m",
+            z_loss=1e-2,
+            global_batch=rows,
+            seq_len=seq,
+            dp_ranks=dp_ranks,
+            clip=1e9,
+        )
+        opt = train.init_opt(eqx.filter(model(), eqx.is_array), cfg)
+        batch, lr = jnp.asarray(tokens, jnp.int32), jnp.float32(0)
+        _, opt, m = train.train_step(model(), opt, batch, lr, cfg=cfg, n_micro=2, keep=jnp.asarray(keep))
+        grads = olmo_core_layout(jax.tree.map(lambda mu: mu / (1 - cfg.beta1), opt.mu), mcfg)
+        if (
+            dp_ranks == 1
+        ):  # the kept rows' sum over 8 x 15 + 2, where OLMo-core averages rank sums over 30, 32
+            assert abs(float(m["ce_loss"]) / want_ce - 1) > 1e-3
+            continue
+        assert float(m["ce_loss"]) == pytest.approx(want_ce, rel=1e-6)
+        for k, g in want_grads.items():
+            np.testing.assert_allclose(grads[k], g, rtol=1e-4, atol=1e-6 * np.abs(g).max(), err_msg=k)
+
+
 def test_32b_preset_is_the_official_recipe():
     """OLMo-core's src/scripts/official/OLMo3/OLMo-3-1025-32B-pretrain.py, field by field."""
     cfg, seven = train.PRESETS["32b"], train.PRESETS["7b"]
     assert cfg.global_batch * cfg.seq_len == 8 * 1024 * 1024 and cfg.seq_len == 8192  # GLOBAL_BATCH_SIZE
     assert (cfg.lr, cfg.warmup_steps, cfg.lr_final, cfg.seed) == (6e-4, 2000, 0.1, 34521)  # LR, CosWithWarmup
-    # One epoch of the mix (max_duration=Duration.epochs(1)): the 7B's 1,413,814 steps of 512 = 706,907 of 1024.
-    assert cfg.lr_horizon == cfg.steps == 1_413_814 * 512 // 1024
+    assert cfg.data == "OLMo-mix-0925-official.txt"  # DataMix.OLMo_mix_0925_official
+    # One epoch of the mix (max_duration=Duration.epochs(1)), computed from the data at the start.
+    assert cfg.lr_horizon == cfg.steps == 0
     assert (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.clip, cfg.z_loss) == (
         0.9,
         0.95,
@@ -221,6 +400,30 @@ def test_32b_preset_is_the_official_recipe():
     assert (cfg.skip_window, cfg.skip_sigma) == (128, 6.0)  # SkipStepAdamWConfig's defaults
     assert cfg.repeat_filter == 32 and data.REPEAT_PERIODS == (1, 13)  # InstanceFilterConfig(13, 1, 32)
     assert seven.repeat_filter == 0  # the 7B relies on the skip-step optimizer instead
+
+
+def test_one_epoch_is_olmo_core_s_max_steps_for_one_epoch_of_the_data(tiny_data, tmp_path):
+    """--lr_horizon 0 and --steps 0 become the number of batches OLMo-core's data loader gives one epoch of the
+    same files (Duration.epochs(1): the trainer's max_steps, which CosWithWarmup's t_max is)."""
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+
+    files = data.prepare_tiny(str(tiny_data))["train"]
+    cfg = dataclasses.replace(
+        train.PRESETS["tiny"], data="tiny", data_root=str(tiny_data), global_batch=3, seq_len=200
+    )
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "run"), lr_horizon=0, steps=0)
+    run = train.set_up(cfg, None, train.model_config(cfg), None, 1)
+    tokenizer = TokenizerConfig(vocab_size=8192, eos_token_id=0, pad_token_id=0)
+    dataset = NumpyFSLDatasetConfig(
+        paths=files, sequence_length=200, tokenizer=tokenizer, work_dir=str(tmp_path / "oc")
+    ).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=3 * 200, seed=cfg.seed, work_dir=str(tmp_path / "oc"))
+    epoch = loader.build(dataset).total_batches
+    assert run.cfg.lr_horizon == run.cfg.steps == epoch > 100
+    assert run.meta["config"]["lr_horizon"] == epoch  # recorded: a resume on other data is refused
+    assert train.lr_at(epoch, run.cfg) == cfg.lr * cfg.lr_final
+    partly = dataclasses.replace(cfg, steps=5)  # one epoch's cosine, stopped early (as AI2's 32B stage 1)
+    assert train.one_epoch_where_asked(partly, epoch) == dataclasses.replace(partly, lr_horizon=epoch)
 
 
 def olmo_core_optimizer(params: dict[str, np.ndarray], cfg):
@@ -436,8 +639,8 @@ def test_short_tiny_run_end_to_end(tmp_path, tiny_data):
 
 
 BAD_FLAGS = [  # (flags, the one line train.py answers with)
-    ("--steps 0", "--steps 0: expected an integer >= 1"),
-    ("--steps -5", "--steps -5: expected an integer >= 1"),
+    ("--lr_horizon -1", "--lr_horizon -1: expected an integer >= 0"),
+    ("--steps -5", "--steps -5: expected an integer >= 0"),
     ("--seq_len 0", "--seq_len 0: expected an integer >= 2"),
     ("--ckpt_every 0", "--ckpt_every 0: expected an integer >= 1"),
     ("--eval_every 0", "--eval_every 0: expected an integer >= 1"),
@@ -454,6 +657,8 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
     ),
     ("--loss_chunk 7", "--loss_chunk 7: expected a divisor of --seq_len 256 (or 0)"),
     ("--loss flash", "--loss 'flash': expected one of fused, reference"),
+    ("--schedule step", "--schedule 'step': expected one of cosine, linear"),
+    ("--model 70b", "--model '70b': expected one of tiny, 190m, 1b, 7b, 32b"),
     ("--remat some", "--remat 'some': expected one of none, full, save_matmuls, save_attention"),
     ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,tensor=1"),
     ("--topology v5p-512", "--topology v5p-512: devices that exist only for the compiler; add --dry_run"),
