@@ -4,6 +4,7 @@ DownstreamEvaluator records them."""
 
 import dataclasses
 import json
+import sys
 
 import equinox as eqx
 import jax
@@ -95,3 +96,14 @@ def test_an_unknown_task_is_refused_naming_the_closest(tmp_path, capsys):
         "error: --tasks: unknown task 'arc_easy_test_mc_5shot_fats'; did you mean arc_easy_test_mc_5shot_fast"
     )
     assert "\n" not in err and not (tmp_path / "run").exists()
+
+
+def test_tasks_without_olmo_eval_are_refused_naming_the_extra(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "olmo_eval", None)  # not importable: the core install, no eval extra
+    assert train.cli(["--preset", "7b", "--run_dir", str(tmp_path / "run")]) == 2  # its default: 26 tasks
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "error: --tasks (26 tasks): downstream tasks need olmo_eval: pip install -e '.[eval]', or --tasks ''"
+    )
+    assert not (tmp_path / "run").exists()
