@@ -508,7 +508,7 @@ class Run:
     model_cfg: olmo3.Olmo3Config
     compute: olmo3.Compute
     n_micro: int
-    loader: data.TokenLoader
+    loader: data.TokenLoader | None  # None: --eval_only without --data
     eval_sets: list[data.PaddedEvalSet]  # these two empty: nothing to evaluate
     tasks: list[data.DownstreamTask]
     tokenizer_path: str | None
@@ -520,12 +520,18 @@ class Run:
 def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int) -> Run:
     """The data, refusing --steps beyond it (or, with --eval_only, a run with nothing to evaluate); nothing is
     written yet, so a refused run leaves no run directory.
-    Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1."""
-    files, held_out, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
+    Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1. With --eval_only and
+    no --data (released weights scored), there is no loader."""
+    if cfg.eval_only and not cfg.data:
+        held_out = data.eval_sets(cfg.eval_data, cfg.data_root) if cfg.eval_data else {}
+        tiny = cfg.tokenizer == "tiny"  # its tokenizer.json in --data_root, as --data tiny reads it
+        files, tokenizer_path = None, data.tiny_tokenizer_file(cfg.data_root or None) if tiny else None
+    else:
+        files, held_out, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
     vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
-    loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    loader = None if files is None else data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
     eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
     if cfg.eval_only:
         check_eval_only(cfg, eval_sets)
@@ -534,7 +540,8 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
             f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
             f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
         )
-    meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
+    fingerprint = loader.fingerprint if loader else None
+    meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=fingerprint)
     tasks = downstream_tasks(cfg, model_cfg, tokenizer_path)
     return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tasks, tokenizer_path, meta)
 
@@ -571,12 +578,15 @@ def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> No
     if not eval_sets and not cfg.tasks:
         raise FlagError("--eval_only needs held-out data or tasks: set --eval_data or --tasks")
     saved = Path(cfg.run_dir) / "checkpoints"
-    if not cfg.init_from_hf and not (
-        saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
-    ):
+    has_checkpoint = saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
+    if not cfg.init_from_hf and not has_checkpoint:
         raise FlagError(
             f"--eval_only: --run_dir {cfg.run_dir} holds no checkpoint to evaluate; expected the directory of "
             "a run that saved one (or --init_from_hf)"
+        )
+    if has_checkpoint and not cfg.data:  # a checkpoint is checked against the data it was trained on
+        raise FlagError(
+            f"--eval_only: --run_dir {cfg.run_dir} holds checkpoints; give the --data they trained on"
         )
 
 

@@ -107,3 +107,16 @@ def test_tasks_without_olmo_eval_are_refused_naming_the_extra(monkeypatch, tmp_p
         == "error: --tasks (26 tasks): downstream tasks need olmo_eval: pip install -e '.[eval]', or --tasks ''"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_only_scores_released_weights_on_tasks_without_data(tiny_data, tmp_path):
+    """--eval_only --init_from_hf --tasks with no --data: only the tasks, one row."""
+    ckpt.save_hf(olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0)), tmp_path / "hf")
+    argv = ["--preset", "tiny", "--data", "", "--data_root", str(tiny_data), "--eval_only"]
+    argv += ["--init_from_hf", str(tmp_path / "hf"), "--tasks", "copycolors_10way_fast"]
+    assert train.cli([*argv, "--run_dir", str(tmp_path / "run")]) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    labels = DownstreamEvaluator.metric_type_to_label
+    metrics = [f"{kind}_{v}" for kind in ("acc", "ce_loss", "bpb", "soft", "soft_log") for v in ("v1", "v2")]
+    named = {f"eval/downstream/copycolors_10way_fast ({labels[k]})" for k in metrics}
+    assert row.keys() == {"step", "eval/downstream/copycolors_10way_fast (requests truncated)", *named}
