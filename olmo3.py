@@ -617,9 +617,10 @@ def lm_head_sums(
     chunk: int,
     weights: tuple | None = None,
 ):
-    """`sums(logits, targets, mask)` (mask: which positions count, or each one's weight), a tuple of scalars,
-    added up over `chunk` positions of every instance at a time (0: the whole sequence); given `weights`, one
-    per sum, also the gradients of the weighted total with respect to x and w (else None, None)."""
+    """`sums(logits, targets, mask)` (mask: which positions count, or each one's weight), a tuple of scalars
+    (or, without `weights`, of per-instance arrays), added up over `chunk` positions of every instance at a
+    time (0: the whole sequence); given `weights`, one per sum, also the gradients of the weighted total with
+    respect to x and w (else None, None)."""
     batch, seq, embed = x.shape
     chunk = chunk or seq
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
@@ -642,7 +643,7 @@ def lm_head_sums(
 
     inputs = (by_chunk(x), by_chunk(targets), by_chunk(mask))
     dw, (per_chunk, dx) = jax.lax.scan(one, jnp.zeros(w.shape, jnp.float32), inputs)
-    totals = tuple(s.sum() for s in per_chunk)
+    totals = tuple(s.sum(0) for s in per_chunk)  # over the chunks
     if weights is None:
         return totals, None, None
     return totals, jnp.moveaxis(dx, 0, 1).reshape(x.shape), dw.astype(w.dtype)

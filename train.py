@@ -65,6 +65,37 @@ def recipe(default, **accepts):
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
+# The downstream tasks of OLMo-core's official OLMo-3-1025-7B-pretrain-1.py (its "fast" set; the 32B's too).
+OLMO3_TASKS = (
+    *[
+        f"arc_{level}_test_{kind}"
+        for level in ("challenge", "easy")
+        for kind in ("bpb_5shot", "mc_5shot_fast")
+    ],
+    "hellaswag_bpb_5shot",
+    *[
+        f"mmlu_{group}_test_{kind}"
+        for group in ("humanities", "other", "social_sciences", "stem")
+        for kind in ("bpb_5shot", "mc_5shot_fast")
+    ],
+    *[
+        f"basic_skills_{skill}_rc_5shot"
+        for skill in (
+            "arithmetic",
+            "coding",
+            "common_knowledge",
+            "logical_reasoning",
+            "pattern",
+            "string_operations",
+        )
+    ],
+    "codex_humaneval_gold_bpb_3shot",
+    "codex_mbpp_gold_bpb_3shot",
+    "minerva_math_500_gold_bpb_0shot",
+    *[f"mt_mbpp_{language}_gold_bpb_3shot" for language in ("cpp", "java", "rust")],
+    "copycolors_10way_fast",
+)
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -126,6 +157,9 @@ class TrainConfig:
     eval_every: int = flag(1000, low=1)
     eval_batches: int = flag(0, low=0)  # instances scored per held-out set: the first this many batches'
     # worth (x --global_batch); 0 = the whole set, as OLMo-core
+    tasks: str = ",".join(OLMO3_TASKS)  # downstream tasks (olmo_eval's names, comma-separated; '' = none),
+    # scored at each evaluation as OLMo-core's DownstreamEvaluator: eval/downstream/TASK (METRIC). Needs the
+    # eval extra. Default: the 26 of the official 7B script
     init_from_hf: str = ""  # start from released weights (e.g. AI2's stage1-step0) instead of random init
     eval_only: bool = False  # evaluate the latest checkpoint (or --init_from_hf) and exit
     dry_run: bool = False  # compile one step for the mesh, print memory per device and FLOPs, exit
@@ -182,6 +216,7 @@ PRESETS = {
         ckpt_every=120,
         eval_every=60,
         eval_batches=8,
+        tasks="",  # the quick start needs no eval extra; --tasks adds some (README)
         samples=3,
     ),
     "190m": TrainConfig(
@@ -435,6 +470,29 @@ def eval_step(model, batch, label_mask, chunk: int, mesh=None):
     return ce, label_mask.sum()
 
 
+def logprob_sums(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"], mask):
+    """Per instance, the summed log-probability of its scored targets (lm_head_sums' per-instance sums)."""
+    ce, _ = cross_entropy(logits, targets)
+    return (jnp.where(mask, -ce, 0.0).sum(-1),)
+
+
+@eqx.filter_jit
+def downstream_step(model, request_ids, tokens, targets, scored, at, choices, chunk: int, mesh=None):
+    """What ICLMetric needs of a batch of requests, and no more (never a batch's logits): per request its
+    continuation's log-probability (the scored positions' targets), and each choice token's log-probability
+    at position `at`; with the request ids, as every process gets them (with several processes a global
+    array's rows are not in the batch's order: shard.put_batch)."""
+    layout = None if mesh is None else shard.Layout(mesh)
+    x, w = model.features(tokens, layout), model.as_used(layout).lm_head
+    (continuation,), _, _ = olmo3.lm_head_sums(x, w, logprob_sums, targets, scored, chunk)
+    x_at = x[jnp.arange(x.shape[0]), at]  # batch embed
+    # The logits in x's dtype, as the LM head makes them (bf16 under a bf16 policy), then upcast as the loss.
+    log_probs = jax.nn.log_softmax(olmo3.linear(x_at, w, out_dtype=x.dtype).astype(jnp.float32))
+    picked = jnp.take_along_axis(log_probs, jnp.maximum(choices, 0), axis=-1)
+    out = (request_ids, continuation, picked)
+    return out if mesh is None else jax.lax.with_sharding_constraint(out, shard.replicated(mesh))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Recipe decisions that depend on the hardware.
 
@@ -566,8 +624,9 @@ class Run:
     model_cfg: olmo3.Olmo3Config
     compute: olmo3.Compute
     n_micro: int
-    loader: data.TokenLoader
-    eval_sets: list[data.PaddedEvalSet]  # empty: nothing to evaluate
+    loader: data.TokenLoader | None  # None: --eval_only without --data
+    eval_sets: list[data.PaddedEvalSet]  # these two empty: nothing to evaluate
+    tasks: list[data.DownstreamTask]
     tokenizer_path: str | None
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
     checkpoints: ckpt.Checkpoints | None = None  # these two open the run directory: open_run_dir
@@ -577,13 +636,20 @@ class Run:
 def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int) -> Run:
     """The data, refusing --steps beyond it (or, with --eval_only, a run with nothing to evaluate); nothing is
     written yet, so a refused run leaves no run directory.
-    Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1."""
-    files, held_out, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
+    Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1. With --eval_only and
+    no --data (released weights scored), there is no loader."""
+    if cfg.eval_only and not cfg.data:
+        held_out = data.eval_sets(cfg.eval_data, cfg.data_root) if cfg.eval_data else {}
+        tiny = cfg.tokenizer == "tiny"  # its tokenizer.json in --data_root, as --data tiny reads it
+        files, tokenizer_path = None, data.tiny_tokenizer_file(cfg.data_root or None) if tiny else None
+    else:
+        files, held_out, tokenizer_path = data.resolve(cfg.data, cfg.data_root, cfg.eval_data)
     vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
-    loader = data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
-    cfg = one_epoch_where_asked(cfg, loader.num_batches)
+    loader = None if files is None else data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    if loader is not None:
+        cfg = one_epoch_where_asked(cfg, loader.num_batches)
     eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
     if cfg.eval_only:
         check_eval_only(cfg, eval_sets)
@@ -592,8 +658,23 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
             f"--steps {cfg.steps}: the data holds {loader.num_batches} batches of "
             f"{cfg.global_batch} x {cfg.seq_len} tokens (one epoch); expected at most that"
         )
-    meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=loader.fingerprint)
-    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tokenizer_path, meta)
+    fingerprint = loader.fingerprint if loader else None
+    meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=fingerprint)
+    tasks = downstream_tasks(cfg, model_cfg, tokenizer_path)
+    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tasks, tokenizer_path, meta)
+
+
+def downstream_tasks(
+    cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, tokenizer_path
+) -> list[data.DownstreamTask]:
+    """--tasks' requests for the run's tokenizer and context, as OLMo-core's DownstreamEvaluator builds them
+    (olmo_eval's build_task; seconds a task, once per run)."""
+    names = [name for name in cfg.tasks.split(",") if name]
+    if not names:
+        return []
+    pad = model_cfg.eos_token_id if model_cfg.pad_token_id is None else model_cfg.pad_token_id
+    tokenizer = data.olmo_eval_tokenizer(cfg.tokenizer, tokenizer_path, pad, model_cfg.eos_token_id)
+    return data.downstream_tasks(names, tokenizer, cfg.seq_len, say)
 
 
 def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
@@ -622,15 +703,18 @@ def padded_eval_sets(
 def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> None:
     """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
     weights would print a loss that means nothing, for a run directory mistyped)."""
-    if not eval_sets:
-        raise FlagError("--eval_only needs held-out data: set --eval_data")
+    if not eval_sets and not cfg.tasks:
+        raise FlagError("--eval_only needs held-out data or tasks: set --eval_data or --tasks")
     saved = Path(cfg.run_dir) / "checkpoints"
-    if not cfg.init_from_hf and not (
-        saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
-    ):
+    has_checkpoint = saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
+    if not cfg.init_from_hf and not has_checkpoint:
         raise FlagError(
             f"--eval_only: --run_dir {cfg.run_dir} holds no checkpoint to evaluate; expected the directory of "
             "a run that saved one (or --init_from_hf)"
+        )
+    if has_checkpoint and not cfg.data:  # a checkpoint is checked against the data it was trained on
+        raise FlagError(
+            f"--eval_only: --run_dir {cfg.run_dir} holds checkpoints; give the --data they trained on"
         )
 
 
@@ -756,22 +840,164 @@ def eval_set_loss(run: Run, model, held: data.PaddedEvalSet) -> float:
     return float(total) / int(count)
 
 
-def evaluate(run: Run, step: int, model) -> dict:
-    """Every held-out set's CE loss and PPL, logged as step `step`'s eval row under OLMo-core's names
-    (eval/lm/LABEL/CE loss, eval/lm/LABEL/PPL; eval_loss and eval_ppl: the first set's) and printed as a
-    table. PPL is exp(CE), capped at exp(50) so a diverged model's row stays finite JSON."""
-    row = dict(step=step)
+def lm_row(run: Run, model) -> dict:
+    """Every held-out set's CE loss and PPL under OLMo-core's names (eval/lm/LABEL/CE loss, eval/lm/LABEL/PPL;
+    eval_loss and eval_ppl: the first set's). PPL is exp(CE), capped at exp(50) so a diverged model's row
+    stays finite JSON."""
+    row = {}
     for held in run.eval_sets:
         ce = eval_set_loss(run, model, held)
         row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"] = ce, math.exp(min(ce, 50))
     first = run.eval_sets[0].label
-    row |= dict(eval_loss=row[f"eval/lm/{first}/CE loss"], eval_ppl=row[f"eval/lm/{first}/PPL"])
+    return row | dict(eval_loss=row[f"eval/lm/{first}/CE loss"], eval_ppl=row[f"eval/lm/{first}/PPL"])
+
+
+def task_scores(run: Run, model, task: data.DownstreamTask, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's continuation log-probability and its choices' (downstream_step), in batches of as
+    many tokens as the train step's microbatch (OLMo-core sizes its evaluation batches so too)."""
+    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
+    continuation, picked = np.zeros(len(task.queries)), np.zeros((len(task.queries), width))
+    for batch in data.downstream_batches(task, cfg.global_batch // run.n_micro, cfg.seq_len, width):
+        local = np.arange(rank, len(batch[0]), world)  # this process's rows, as in training
+        put = lambda a: shard.put_batch(a[local], run.mesh, len(a))
+        chunk = math.gcd(batch[1].shape[1], cfg.loss_chunk)  # a divisor of this batch's length
+        ids, cont, lp = (np.asarray(a) for a in downstream_step(model, *map(put, batch), chunk, run.mesh))
+        continuation[ids[ids >= 0]], picked[ids[ids >= 0]] = cont[ids >= 0], lp[ids >= 0]
+    return continuation, picked
+
+
+LOG2_E = 1.44269504089  # ICLMetric's log2(e), to its digits
+
+
+def request_scores(task: data.DownstreamTask, continuation: np.ndarray, picked: np.ndarray) -> dict:
+    """ICLMetric.update: {document: {continuation id: (log-likelihood, CE loss, BPB, each as v2 and v1)}},
+    v1 not counting the continuation's first character (its leading space); a length-normalised metric
+    divides the log-likelihood by the characters. A fast multiple-choice request gives one per choice."""
+    norm = task.metric_type in ("len_norm", "ce_loss", "bpb")
+    chars, n_bytes, chars_v1, bytes_v1 = (task.lengths[k].astype(float) for k in data.REQUEST_LENGTHS)
+    scores = {}
+    with np.errstate(divide="ignore"):  # a one-character continuation has no v1 length: inf, as in torch
+        for i, doc in enumerate(task.doc_id.tolist()):
+            if task.choices.shape[1]:
+                pairs = [(k, picked[i, k]) for k, c in enumerate(task.choices[i]) if c != -1]
+            else:
+                pairs = [(int(task.cont_id[i]), continuation[i])]
+            for cont_id, lp in pairs:
+                ll = (lp / chars[i], lp / chars_v1[i]) if norm else (lp, lp)
+                values = (*ll, -lp / chars[i], -lp / chars_v1[i])
+                values += (-lp / n_bytes[i] * LOG2_E, -lp / bytes_v1[i] * LOG2_E)
+                scores.setdefault(doc, {}).setdefault(cont_id, values)
+    return scores
+
+
+def f1_score(truth: np.ndarray, predicted: np.ndarray, positive: int = 0) -> float:
+    """ICLMetric.custom_f1_score (the NLI tasks' first continuation is the positive class)."""
+    tp = np.sum((truth == positive) & (predicted == positive))
+    fp, fn = (
+        np.sum((truth != positive) & (predicted == positive)),
+        np.sum((truth == positive) & (predicted != positive)),
+    )
+    if tp + fp == 0 or tp + fn == 0:
+        return 0.0
+    precision, recall = tp / (tp + fp), tp / (tp + fn)
+    return 0.0 if precision + recall == 0 else float(2 * precision * recall / (precision + recall))
+
+
+def icl_metrics(metric_type: str, scores: dict, labels: dict) -> dict[str, float]:
+    """ICLMetric.compute: means over documents (one missing a continuation skipped, as there); rows of a
+    document's scores: log-likelihood v2, v1, CE loss v2, v1, BPB v2, v1; one column per continuation."""
+    docs = [
+        (np.array([conts[c] for c in range(len(conts))]).T, labels[doc])
+        for doc, conts in scores.items()
+        if max(conts) < len(conts)
+    ]
+    mean = lambda f: float(np.mean([f(v, label) for v, label in docs]))
+    if metric_type in ("ce_loss", "bpb"):  # one continuation scored: the gold one
+        row = 3 if metric_type == "ce_loss" else 5
+        return {
+            f"{metric_type}_v1": mean(lambda v, _: v[row, 0]),
+            f"{metric_type}_v2": mean(lambda v, _: v[row - 1, 0]),
+        }
+    if metric_type == "f1":
+        truth = np.array([label for _, label in docs])
+        pick = lambda row: np.array([np.argmax(v[row]) for v, _ in docs])
+        return {"f1_v1": f1_score(truth, pick(0)), "f1_v2": f1_score(truth, pick(1))}
+    log_softmax = lambda x: x - x.max() - np.log(np.exp(x - x.max()).sum())
+    accuracy = mean(lambda v, label: float(np.argmax(v[0]) == label))
+    return {
+        f"{metric_type}_v1": accuracy,
+        f"{metric_type}_v2": accuracy,
+        "ce_loss_v1": mean(lambda v, label: v[3, label]),
+        "ce_loss_v2": mean(lambda v, label: v[2, label]),
+        "bpb_v1": mean(lambda v, label: v[5, label]),
+        "bpb_v2": mean(lambda v, label: v[4, label]),
+        "soft_v1": mean(lambda v, label: np.exp(log_softmax(v[1]))[label]),
+        "soft_v2": mean(lambda v, label: np.exp(log_softmax(v[0]))[label]),
+        "soft_log_v1": mean(lambda v, label: log_softmax(v[1])[label]),
+        "soft_log_v2": mean(lambda v, label: log_softmax(v[0])[label]),
+    }
+
+
+# OLMo-core's DownstreamEvaluator.metric_type_to_label: a metric is recorded as eval/downstream/TASK (LABEL).
+METRIC_LABELS = {
+    "f1_v1": "F1 score",
+    "acc_v1": "accuracy",
+    "len_norm_v1": "length-normalized accuracy",
+    "pmi_dc_v1": "PMI-DC accuracy",
+    "ce_loss_v1": "CE loss",
+    "bpb_v1": "BPB",
+    "soft_v1": "soft loss",
+    "soft_log_v1": "log soft loss",
+    "f1_v2": "F1 score v2",
+    "acc_v2": "accuracy v2",
+    "len_norm_v2": "length-normalized accuracy v2",
+    "pmi_dc_v2": "PMI-DC accuracy v2",
+    "ce_loss_v2": "CE loss v2",
+    "bpb_v2": "BPB v2",
+    "soft_v2": "soft loss v2",
+    "soft_log_v2": "log soft loss v2",
+}
+
+
+def downstream_row(run: Run, model) -> dict:
+    """Every task's ICLMetric metrics, named as OLMo-core records them (eval/downstream/TASK (LABEL)); and,
+    where olmo_eval cut requests on the left to fit the context, how many (eval/downstream/TASK (requests
+    truncated))."""
+    width = max([1, *(task.choices.shape[1] for task in run.tasks)])  # one program shape for every task
+    row = {}
+    for task in run.tasks:
+        labels = {}
+        for doc, label in zip(task.doc_id.tolist(), task.label_id.tolist()):
+            labels.setdefault(doc, label)
+        scores = request_scores(task, *task_scores(run, model, task, width))
+        metrics = icl_metrics(task.metric_type, scores, labels)
+        row |= {f"eval/downstream/{task.name} ({METRIC_LABELS[k]})": v for k, v in metrics.items()}
+        if task.truncated:
+            row[f"eval/downstream/{task.name} (requests truncated)"] = task.truncated
+    return row
+
+
+def evaluate(run: Run, step: int, model) -> dict:
+    """The held-out sets (lm_row) and the downstream tasks (downstream_row), logged as step `step`'s eval
+    row and printed as tables."""
+    row = dict(step=step)
+    row |= lm_row(run, model) if run.eval_sets else {}
+    row |= downstream_row(run, model) if run.tasks else {}
     run.log.write(row)
-    width = max(len(held.label) for held in run.eval_sets)
-    say(f"step {step}: held-out evaluation\n  {'set':<{width}}  CE loss        PPL")
-    for held in run.eval_sets:
-        ce, ppl = row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"]
-        say(f"  {held.label:<{width}}  {ce:7.4f} {ppl:10.2f}")
+    if run.eval_sets:
+        width = max(len(held.label) for held in run.eval_sets)
+        say(f"step {step}: held-out evaluation\n  {'set':<{width}}  CE loss        PPL")
+        for held in run.eval_sets:
+            ce, ppl = row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"]
+            say(f"  {held.label:<{width}}  {ce:7.4f} {ppl:10.2f}")
+    if run.tasks:
+        width = max(len(task.name) for task in run.tasks)
+        say(f"step {step}: downstream evaluation (every metric in the row)\n  {'task':<{width}}  metric")
+    for task in run.tasks:
+        name = f"eval/downstream/{task.name} ("
+        first = next(k for k in row if k.startswith(name))  # ICLMetric's first: the task's own metric
+        cut = f" ({task.truncated} requests cut on the left to --seq_len)" if task.truncated else ""
+        say(f"  {task.name:<{width}}  {first[len(name) : -1]} {row[first]:.4f}{cut}")
     return row
 
 
@@ -850,7 +1076,7 @@ def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
             run.checkpoints.check()  # a failed background save stops the run here
             pending = (step, metrics, wait, batch_hash, filtered)
             stop = preemption.requested(step, run.checkpoints)
-            do_eval = bool(run.eval_sets) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            do_eval = bool(run.eval_sets or run.tasks) and (step % cfg.eval_every == 0 or step == cfg.steps)
             do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
             # Never evaluate or checkpoint a state whose loss was not checked; and the first step compiles,
             # so its numbers are read at once: its time is its own, not the next step's too.
@@ -1028,6 +1254,8 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
     if cfg.model_preset not in olmo3.PRESETS:
         raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.PRESETS)}")
+    if cfg.tasks and not cfg.dry_run:
+        check_tasks(cfg.tasks)
     try:  # the head layout must fit the preset's width
         model = model_config(cfg)
     except ValueError as e:
@@ -1037,6 +1265,23 @@ def check(cfg: TrainConfig) -> None:
             ckpt.check_hf_model(cfg.init_from_hf, model, cfg.model_preset)
     except ValueError as e:
         raise FlagError(str(e)) from None
+
+
+def check_tasks(tasks: str) -> None:
+    """--tasks: olmo_eval installed (the eval extra), and every name one of its tasks."""
+    if importlib.util.find_spec("olmo_eval") is None:
+        named = tasks if len(tasks) < 60 else f"({tasks.count(',') + 1} tasks)"
+        raise FlagError(f"--tasks {named}: downstream tasks need olmo_eval: {data.EVAL_EXTRA}, or --tasks ''")
+    from olmo_eval import list_tasks
+
+    known = list_tasks()
+    for name in tasks.split(","):
+        if name and name not in known:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+            hint = (
+                f"did you mean {', '.join(close)}?" if close else f"expected one of olmo_eval's {len(known)}"
+            )
+            raise FlagError(f"--tasks: unknown task {name!r}; {hint}")
 
 
 # Bad usage (exit 2): a flag's value, or flags that do not fit the run directory's checkpoints. What stops a

@@ -959,7 +959,7 @@ def test_eval_only_without_held_out_data_says_so_first(tiny_data, tmp_path, caps
     train_file = str(tiny_data / "train" / "part-00000.npy")
     argv = ["--preset", "tiny", "--data", train_file, "--eval_only", "--steps", "1000000"]
     err = refused(capsys, *argv, "--run_dir", str(tmp_path / "run"))
-    assert err == "error: --eval_only needs held-out data: set --eval_data"
+    assert err == "error: --eval_only needs held-out data or tasks: set --eval_data or --tasks"
 
 
 def test_a_run_refused_before_it_starts_leaves_no_run_directory(tiny_data, tmp_path, capsys):
