@@ -335,7 +335,9 @@ def describe(mesh: Mesh, target: Target | None) -> str:
 
 def memory_limit(mesh: Mesh, target: Target | None) -> int | None:
     """Bytes one device may hold: the target's HBM, or what a real device states (a CPU states nothing)."""
-    return target.hbm_per_device if target else (mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit")
+    if target:
+        return target.hbm_per_device
+    return (mesh.local_devices[0].memory_stats() or {}).get("bytes_limit")  # one of this process's devices
 
 
 def memory_use(compile_step) -> tuple[list[tuple[str, int]], int]:
