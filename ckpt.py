@@ -1672,10 +1672,15 @@ def next_stage(run_dir, new_run_dir, train_cfg, step: int | None = None) -> tupl
         ckpts.close()
     step, (model, opt) = found
     want = config_to_hf(train.model_config(train_cfg))
-    if diff := {k: (v, want.get(k)) for k, v in config_to_hf(model.cfg).items() if v != want.get(k)}:
+    short = lambda v: f"{len(v)} entries" if isinstance(v, list) and len(v) > 4 else repr(v)  # layer types
+    if diff := [
+        f"{k} {short(v)} vs {short(want.get(k))}"
+        for k, v in config_to_hf(model.cfg).items()
+        if v != want.get(k)
+    ]:
         raise ValueError(
             f"{ckpts.dir / str(step)} holds another model than --preset {train_cfg.preset}'s "
-            f"({train_cfg.model_preset}): {diff} (as (checkpoint, preset))"
+            f"({train_cfg.model_preset}): {', '.join(diff)} (checkpoint vs preset)"
         )
     write_first_step(
         new_run_dir, model, carried_state(train_cfg, opt.mu, opt.nu, opt.count), ckpts.dir / str(step)
