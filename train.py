@@ -826,14 +826,15 @@ def log_step(
 
 def eval_set_loss(run: Run, model, held: data.PaddedEvalSet) -> float:
     """One held-out set's CE per token, as OLMo-core's LMEvaluator: the mean over the label-masked positions
-    of the whole set (or its first --eval_batches batches), in batches of --global_batch instances (the last
-    filled with empty rows: one compiled program for every set)."""
+    of the whole set (or its first --eval_batches batches' worth), in batches of a train microbatch's rows
+    (what fits the devices; the last filled with empty rows: one compiled program for every set)."""
     cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
     n = min(len(held), cfg.eval_batches * cfg.global_batch) if cfg.eval_batches else len(held)
-    local = np.arange(rank, cfg.global_batch, world)  # this process's rows of each batch, as in training
-    put = lambda rows: shard.put_batch(rows, run.mesh, cfg.global_batch)
+    size = cfg.global_batch // run.n_micro
+    local = np.arange(rank, size, world)  # this process's rows of each batch, as in training
+    put = lambda rows: shard.put_batch(rows, run.mesh, size)
     total = count = 0
-    for first in range(0, n, cfg.global_batch):
+    for first in range(0, n, size):
         tokens, mask = held.rows(first + local, stop=n)
         ce, counted = eval_step(model, put(tokens), put(mask), cfg.loss_chunk, run.mesh)
         total, count = total + ce, count + counted

@@ -96,7 +96,7 @@ def olmo_core_metrics(hf, held_out, work_dir, limit=None):
     return {f"eval/lm/{name}": float(value) for name, value in evaluator.compute_metrics().items()}
 
 
-def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path):
+def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path, monkeypatch):
     hf = make_hf(tmp_path / "hf", vocab=VOCAB)
     spec = ",".join(f"{label}={','.join(paths)}" for label, paths in held_out.items())  # c4=a,b,books=c,...
     cfg = dataclasses.replace(
@@ -119,14 +119,20 @@ def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path):
     with jax.set_mesh(mesh):
         train.evaluate(run, 7, model)  # the whole sets
         train.evaluate(dataclasses.replace(run, cfg=dataclasses.replace(cfg, eval_batches=1)), 8, model)
+        # Two microbatches of 8 rows a step: the sets go through 8 rows at a time, the same numbers.
+        halves = dataclasses.replace(run, cfg=dataclasses.replace(cfg, global_batch=16), n_micro=2)
+        shapes, step = [], train.eval_step
+        monkeypatch.setattr(train, "eval_step", lambda m, b, *a: shapes.append(b.shape) or step(m, b, *a))
+        train.evaluate(halves, 9, model)
+        assert set(shapes) == {(8, SEQ)}
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    for row, limit in zip(rows, (None, 8), strict=True):  # --eval_batches 1: each set's first 8 documents
+    for row, limit in zip(rows, (None, 8, None), strict=True):  # --eval_batches 1: each set's first 8
         expected = olmo_core_metrics(hf, held_out, tmp_path / "work", limit)
         assert row.keys() == {"step", "eval_loss", "eval_ppl", *expected}
         for name, value in expected.items():
             assert row[name] == pytest.approx(value, rel=1e-5), name
         assert row["eval_loss"] == row["eval/lm/c4/CE loss"]
-    assert [row["step"] for row in rows] == [7, 8] and rows[0]["eval/lm/wiki/CE loss"] != rows[1][
+    assert [row["step"] for row in rows] == [7, 8, 9] and rows[0]["eval/lm/wiki/CE loss"] != rows[1][
         "eval/lm/wiki/CE loss"
     ]
 
