@@ -1119,13 +1119,14 @@ def main(cfg: TrainConfig) -> int:
         open_run_dir(run)
         start, model, opt, key = restore_or_init(run)
         run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
+        if cfg.eval_only or start < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
+            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro)
+            run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
         if cfg.eval_only:
             evaluate(run, start, model)
         elif start >= cfg.steps:
             say(f"run already complete: step {start}")
         else:
-            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro)
-            run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
             ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
             run.log.open()
             trains = True
