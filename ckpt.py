@@ -770,6 +770,17 @@ class Checkpoints:
                 self.set_aside(step, e)
         return None
 
+    def chosen(self, read, step: int | None = None):
+        """Step `step` (default: the newest that reads back intact, as newest_valid) read by `read`, as (step,
+        what `read` returned); FileNotFoundError, naming the steps there are, where there is none such."""
+        if not self.steps() or (step is not None and step not in self.steps()):
+            at = f" at step {step}" if step is not None else ""
+            raise FileNotFoundError(f"{self.dir} has no checkpoint{at} (steps: {self.steps()})")
+        found = (step, read(step)) if step is not None else self.newest_valid(read)
+        if found is None:
+            raise FileNotFoundError(f"no valid checkpoint in {self.dir}")
+        return found
+
     def restore_latest(self, model_like, train_like=None, check=None, start_over: bool = False):
         """The newest valid checkpoint as (step, model, train, meta), or None where the run has none. `check(meta)`
         may raise to refuse a checkpoint of another configuration: that is an error, not a corruption. Where
@@ -1243,15 +1254,7 @@ def export_hf(
     run's, or `tokenizer`: dolma2, tiny, none or a tokenizer.json); returns its step. Reads the run only."""
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
-        if not ckpts.steps() or (step is not None and step not in ckpts.steps()):
-            raise FileNotFoundError(
-                f"{ckpts.dir} has no checkpoint{f' at step {step}' if step is not None else ''}"
-                f" (steps: {ckpts.steps()})"
-            )
-        found = (step, ckpts.read_model(step)) if step is not None else ckpts.newest_valid(ckpts.read_model)
-        if found is None:
-            raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
-        step, model = found
+        step, model = ckpts.chosen(ckpts.read_model, step)
         meta = ckpts.read_meta(step)
     finally:
         ckpts.close()
@@ -1628,6 +1631,16 @@ def carried_state(train_cfg, mu, nu, count) -> dict:
 # A new stage from one of our runs, and the average of two runs (AI2's soup of the 32B's midtraining runs).
 
 
+def model_differences(a: Olmo3Config, b: Olmo3Config) -> str:
+    """The fields of two models' HF configs that differ, as `field a vs b` (a long list by its length: the
+    layer types); '' if none."""
+    ha, hb = config_to_hf(a), config_to_hf(b)
+    short = lambda v: f"{len(v)} entries" if isinstance(v, list) and len(v) > 4 else repr(v)
+    return ", ".join(
+        f"{k} {short(ha.get(k))} vs {short(hb.get(k))}" for k in {**ha, **hb} if ha.get(k) != hb.get(k)
+    )
+
+
 def read_train_state(ckpts: Checkpoints, step: int):
     """Step `step` of a run as (model, train.py's OptState), whole on this process's first device; the skip
     window sized as that run's was. CorruptCheckpoint if it does not read back intact."""
@@ -1659,28 +1672,13 @@ def next_stage(run_dir, new_run_dir, train_cfg, step: int | None = None) -> tupl
 
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
-        if step is not None and step not in ckpts.steps():
-            raise FileNotFoundError(f"{ckpts.dir} has no checkpoint at step {step} (steps: {ckpts.steps()})")
-        found = (
-            (step, read_train_state(ckpts, step))
-            if step is not None
-            else ckpts.newest_valid(lambda s: read_train_state(ckpts, s))
-        )
-        if found is None:
-            raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
+        step, (model, opt) = ckpts.chosen(lambda s: read_train_state(ckpts, s), step)
     finally:
         ckpts.close()
-    step, (model, opt) = found
-    want = config_to_hf(train.model_config(train_cfg))
-    short = lambda v: f"{len(v)} entries" if isinstance(v, list) and len(v) > 4 else repr(v)  # layer types
-    if diff := [
-        f"{k} {short(v)} vs {short(want.get(k))}"
-        for k, v in config_to_hf(model.cfg).items()
-        if v != want.get(k)
-    ]:
+    if diff := model_differences(model.cfg, train.model_config(train_cfg)):
         raise ValueError(
             f"{ckpts.dir / str(step)} holds another model than --preset {train_cfg.preset}'s "
-            f"({train_cfg.model_preset}): {', '.join(diff)} (checkpoint vs preset)"
+            f"({train_cfg.model_preset}): {diff} (checkpoint vs preset)"
         )
     write_first_step(
         new_run_dir, model, carried_state(train_cfg, opt.mu, opt.nu, opt.count), ckpts.dir / str(step)
@@ -1692,12 +1690,9 @@ def newest_model(run_dir) -> tuple[int, Olmo3]:
     """(step, model) of a run's newest valid checkpoint, whole on this process's first device; reads only."""
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
-        found = ckpts.newest_valid(ckpts.read_model)
+        return ckpts.chosen(ckpts.read_model)
     finally:
         ckpts.close()
-    if found is None:
-        raise FileNotFoundError(f"no valid checkpoint in {ckpts.dir}")
-    return found
 
 
 def average(run_a, run_b, out) -> tuple[int, int]:
@@ -1707,9 +1702,8 @@ def average(run_a, run_b, out) -> tuple[int, int]:
     state). Both models are held in host memory (fp32: 8 bytes a parameter), the mean taken a tensor at a time.
     Refused, before OUT is touched, if the two are not the same model. Returns the two steps."""
     (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
-    if (ha := config_to_hf(a.cfg)) != (hb := config_to_hf(b.cfg)):
-        diff = {k: (ha.get(k), hb.get(k)) for k in ha.keys() | hb.keys() if ha.get(k) != hb.get(k)}
-        raise ValueError(f"{run_a} and {run_b} hold different models: {diff} (as ({run_a}, {run_b}))")
+    if diff := model_differences(a.cfg, b.cfg):
+        raise ValueError(f"{run_a} and {run_b} hold different models: {diff} ({run_a} vs {run_b})")
     params, static = eqx.partition(a, is_array)
     leaves, tree = jax.tree.flatten(params)
     others = jax.tree.leaves(eqx.filter(b, is_array))
