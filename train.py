@@ -27,6 +27,7 @@ import math
 import operator
 import re
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -1302,7 +1303,14 @@ def cli(argv: list[str]) -> int:
             return main(cfg)
     except (*USAGE, *STOPS) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, USAGE) else 1
+        code = 2 if isinstance(e, USAGE) else 1
+        shard.exit_alone(code)  # with other processes, which may be waiting for this one: now
+        return code
+    except BaseException:
+        if jax.distributed.is_initialized():  # a bug: its traceback, then the same exit as above
+            traceback.print_exc()
+            shard.exit_alone(1)
+        raise
 
 
 if __name__ == "__main__":

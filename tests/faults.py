@@ -3,6 +3,7 @@
     python tests/faults.py MOMENT:STEP [train.py flags...]
 
 mid_step:S      SIGKILL right after step S is dispatched, before its results are read
+raise:S         an exception (a bug) in step S
 during_save:S   SIGKILL while checkpoint S is being written in the background
 after_commit:S  SIGKILL right after checkpoint S is committed
 disk_full:S     from checkpoint S on, no file may grow past 1 MB (writes fail as on a full disk)
@@ -32,6 +33,8 @@ def take_step(run, step, *args):
     out = real_take_step(run, step, *args)
     if moment == "mid_step" and step == at:
         kill()
+    if moment == "raise" and step == at:
+        raise RuntimeError("injected")
     return out
 
 

@@ -396,7 +396,7 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None):
         str(tiny_data / "train" / "part-00000.npy"),
     ]
     devices = f"--xla_force_host_platform_device_count={8 // processes}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices, PYTHONFAULTHANDLER="1")
     if processes > 1:
         args += [
             "--coordinator",
@@ -419,13 +419,18 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None):
     ]
 
 
-def finish(procs) -> list[str]:
-    """Each process's output, once all have exited 0."""
-    try:
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+def finish(procs, timeout: float = 300) -> list[str]:
+    """Each process's output, once all have exited 0. One still running after `timeout` seconds is stopped
+    with SIGABRT, so that Python's faulthandler (on in launch) prints where every thread of it waited."""
+    deadline, outs = time.time() + timeout, []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.send_signal(signal.SIGABRT)
+            tails = [f"process {i}:\n{q.communicate()[0][-6000:]}" for i, q in enumerate(procs)]
+            raise AssertionError(f"still running after {timeout} s\n" + "\n".join(tails)) from None
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     return outs
@@ -467,3 +472,21 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     assert "resuming from" in lead and "(step 2)" in lead
     same = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows]
     assert same(metrics(killed)) == same(got)  # every step once, bitwise
+
+
+@pytest.mark.slow
+def test_one_process_failing_stops_the_others(tmp_path, tiny_data):
+    """A bug in one process while the other waits in step 3's collectives: the failing one prints its
+    traceback and exits 1 at once (JAX's orderly shutdown would wait for the other forever, and the other for
+    it), and the other stops within --heartbeat_timeout (10 s here), saying another task died."""
+    waiting, failing = launch(tmp_path / "run", 4, tiny_data, processes=2, faults=["none:0", "raise:3"])
+    try:
+        out = failing.communicate(timeout=240)[0]
+        t0 = time.time()
+        other = waiting.communicate(timeout=120)[0]
+    finally:
+        for p in (waiting, failing):
+            p.kill()
+    assert failing.returncode == 1 and "RuntimeError: injected" in out, out[-3000:]
+    assert waiting.returncode not in (0, None) and "another task died" in other, other[-3000:]
+    assert time.time() - t0 < 90
