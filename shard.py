@@ -564,8 +564,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P(RULES["batch"], None))
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Rows over (data, fsdp), the rest of each row whole."""
+    return NamedSharding(mesh, P(RULES["batch"], *[None] * (ndim - 1)))
 
 
 def sum_over_processes(values: list[int]) -> list[int]:
@@ -587,7 +588,7 @@ def put_batch(local_rows: np.ndarray, mesh: Mesh, global_rows: int):
     holds the global batch's rows in another order; every row is an independent example and the loss a
     mean, so only the order of the sums differs (tests/test_shard.py checks the losses against one process).
     """
-    sharding = NamedSharding(mesh, P(RULES["batch"], *[None] * (local_rows.ndim - 1)))
+    sharding = batch_sharding(mesh, local_rows.ndim)
     values = local_rows if local_rows.dtype == bool else local_rows.astype(np.int32)
     return jax.make_array_from_process_local_data(sharding, values, (global_rows, *local_rows.shape[1:]))
 

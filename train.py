@@ -1025,6 +1025,52 @@ def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: 
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": batch}
 
 
+def compile_eval_steps(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int) -> dict:
+    """The held-out and downstream evaluation steps, each as a function that compiles it for the mesh from
+    abstract inputs (as compile_step), on a train microbatch's rows at --seq_len: the batches evaluate() runs."""
+    rows, seq, chunk = cfg.global_batch // n_micro, cfg.seq_len, math.gcd(cfg.seq_len, cfg.loss_chunk)
+    model = abstract_state(cfg, mesh, model_cfg, compute)[0]
+    params = {"parameters (fp32)": eqx.filter(model, olmo3.is_array)}
+    batch = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(
+        (rows, *shape), dtype, sharding=shard.batch_sharding(mesh, 1 + len(shape))
+    )
+    held_out = functools.partial(eval_step, chunk=chunk, mesh=mesh)
+    downstream = functools.partial(downstream_step, chunk=chunk, mesh=mesh)
+    choices = 10  # the widest fast multiple choice of the OLMo 3 tasks (copycolors_10way_fast)
+    return {
+        "held-out (LM)": lambda: (
+            shard.compile_abstract(held_out, model, batch(seq), batch(seq, dtype=jnp.bool_)),
+            params,
+        ),
+        "downstream tasks": lambda: (
+            shard.compile_abstract(
+                downstream,
+                model,
+                batch(),
+                batch(seq),
+                batch(seq),
+                batch(seq, dtype=jnp.bool_),
+                batch(),
+                batch(choices),
+            ),
+            params,
+        ),
+    }
+
+
+def report_eval_steps(
+    cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int, target
+) -> None:
+    """What each evaluation step holds on a device (the dry run's lines below the train step's table)."""
+    hbm = shard.memory_limit(mesh, target)
+    say("evaluation steps (forward only), as many rows at once, per device:")
+    for name, compile_eval in compile_eval_steps(cfg, mesh, model_cfg, compute, n_micro).items():
+        rows, total = shard.memory_use(compile_eval)
+        need = f"{total / 2**30:.3f} GiB " + ("a device" if rows else "of temporaries alone")
+        verdict = "no HBM stated" if not hbm else "fits" if rows and total <= hbm else "does not fit"
+        say(f"  {name:<24}  {need} ({verdict})")
+
+
 def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -> int:
     """Compile one train step (in the microbatches that fit, unless --microbatch says) and report what each
     device holds, against its HBM; 1 if it does not fit."""
@@ -1039,6 +1085,7 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
     tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
     tips = ", ".join([*tips, "more chips, or a tensor axis in --mesh"])
     fits = shard.fit_report(lambda: compile_for(n_micro), mesh, target, tips, say)
+    report_eval_steps(cfg, mesh, model_cfg, compute, n_micro, target)
     if compute.attention == "reference":
         say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len

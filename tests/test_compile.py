@@ -199,6 +199,13 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     assert rows["HBM"] == 15.75
     spare = rows["HBM"] - rows["total"]
     assert f"fits, with {spare:.1f} GiB to spare" in table
+    # The evaluation steps, compiled too: the parameters and a forward pass's temporaries, no optimizer state.
+    evals = dict(
+        re.findall(r"^  (held-out \(LM\)|downstream tasks) +([\d.]+) GiB a device \(fits\)$", table, re.M)
+    )
+    assert evals.keys() == {"held-out (LM)", "downstream tasks"}, table
+    for need in map(float, evals.values()):
+        assert rows["parameters (fp32)"] < need < rows["total"] - rows["optimizer state (fp32)"]
     assert not (tmp_path / "run").exists()  # it only compiles
 
 
