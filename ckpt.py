@@ -422,15 +422,23 @@ class Progress:
         self.since = time.perf_counter()
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files, no window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def plot_losses(run_dir: Path) -> list[str]:
     """RUN_DIR/loss.png: the train loss and each held-out set's CE loss over the steps. Returns the curves'
     labels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    plt, rows = _pyplot(), _metric_rows(run_dir)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     held = dict.fromkeys(k for r in rows for k in r if k.startswith("eval/lm/") and k.endswith("/CE loss"))
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -446,6 +454,34 @@ def plot_losses(run_dir: Path) -> list[str]:
     fig.savefig(run_dir / "loss.png", dpi=120)
     plt.close(fig)
     return [line.get_label() for line in ax.get_lines()]
+
+
+def plot_downstream(run_dir: Path) -> list[str]:
+    """RUN_DIR/downstream.png, where the run evaluated downstream tasks: a panel per task, its own metric
+    (ICLMetric's first, as train.py prints it) over the steps. Returns the panels' titles."""
+    plt, rows = _pyplot(), _metric_rows(run_dir)
+    firsts = {}  # task -> its first metric's key, in the row's order
+    for key in (
+        k for r in rows for k in r if k.startswith("eval/downstream/") and "(requests truncated)" not in k
+    ):
+        firsts.setdefault(key.removeprefix("eval/downstream/").rsplit(" (", 1)[0], key)
+    if not firsts:
+        return []
+    columns = min(len(firsts), 6)
+    n_rows = -(-len(firsts) // columns)
+    fig, axes = plt.subplots(n_rows, columns, figsize=(2.6 * columns, 2.1 * n_rows), squeeze=False)
+    for ax, (task, key) in zip(axes.flat, firsts.items()):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", ms=3)
+        ax.set_title(f"{task}\n{key.rsplit(' (', 1)[1][:-1]}", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(firsts) :]:
+        ax.axis("off")
+    fig.suptitle(f"{run_dir.name}: downstream tasks over the steps", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(run_dir / "downstream.png", dpi=110)
+    plt.close(fig)
+    return [ax.get_title() for ax in axes.flat[: len(firsts)]]
 
 
 class Preemption:

@@ -1184,6 +1184,7 @@ def main(cfg: TrainConfig) -> int:
     if trains and not stopped:
         if jax.process_index() == 0:
             ckpt.plot_losses(Path(cfg.run_dir))
+            ckpt.plot_downstream(Path(cfg.run_dir))
         if cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
             print_samples(model, cfg, run.tokenizer_path)
     return 0

@@ -585,3 +585,24 @@ def test_loss_plot_draws_each_held_out_set(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert ckpt.plot_losses(tmp_path) == ["train loss", "held-out a", "held-out b"]
     assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert ckpt.plot_downstream(tmp_path) == [] and not (tmp_path / "downstream.png").exists()
+
+
+def test_downstream_plot_draws_each_task_s_own_metric(tmp_path):
+    rows = [dict(step=1, loss=5.0)]
+    for s in (2, 4):
+        rows.append(
+            {
+                "step": s,
+                "eval/downstream/arc_easy_test_mc_5shot_fast (accuracy)": 0.2 * s,
+                "eval/downstream/arc_easy_test_mc_5shot_fast (CE loss)": 3.0,
+                "eval/downstream/hellaswag_bpb_5shot (requests truncated)": 7,
+                "eval/downstream/hellaswag_bpb_5shot (BPB v2)": 2.0 / s,
+            }
+        )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ckpt.plot_downstream(tmp_path) == [
+        "arc_easy_test_mc_5shot_fast\naccuracy",
+        "hellaswag_bpb_5shot\nBPB v2",
+    ]
+    assert (tmp_path / "downstream.png").stat().st_size > 10_000
