@@ -107,19 +107,26 @@ def timed(fn):
 
 
 def train_step_tokens_per_s(run: train.Run, model) -> float:
+    """The train step's tokens/s on a copy of `model` (the step donates what it is given)."""
     cfg = run.cfg
-    opt = eqx.filter_jit(train.init_opt)(model, cfg)
+    state = [jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)]
+    state.append(eqx.filter_jit(train.init_opt)(state[0], cfg))
     batch = shard.put_batch(np.zeros((cfg.global_batch, cfg.seq_len), np.int32), run.mesh, cfg.global_batch)
-    step = lambda: train.train_step(model, opt, batch, jnp.float32(1e-4), cfg=cfg, n_micro=1, mesh=run.mesh)
+
+    def step():
+        state[0], state[1], metrics = train.train_step(
+            *state, batch, jnp.float32(1e-4), cfg=cfg, n_micro=1, mesh=run.mesh
+        )
+        return metrics
+
     return cfg.global_batch * cfg.seq_len / timed(step)[1]
 
 
 def batch_tokens(run: train.Run) -> int:
     """Tokens in the downstream batches, padding included: what the devices process."""
-    rows = run.cfg.global_batch
-    return sum(
-        sum(b[1].size for b in data.downstream_batches(task, rows, run.cfg.seq_len, 1)) for task in run.tasks
-    )
+    rows, width = run.cfg.global_batch, max(task.choices.shape[1] for task in run.tasks)
+    batches = (b for task in run.tasks for b in data.downstream_batches(task, rows, run.cfg.seq_len, width))
+    return sum(b[1].size for b in batches)
 
 
 def main(argv=None) -> None:
@@ -127,6 +134,10 @@ def main(argv=None) -> None:
     ap.add_argument("--run_dir", default="runs/tiny", help="a trained tiny run (the quick start's)")
     ap.add_argument("--docs", type=int, default=20, help="each task's first documents")
     ap.add_argument("--seq_len", type=int, default=2048, help="the context the tasks are built and scored at")
+    ap.add_argument(
+        "--tasks", default=",".join(train.OLMO3_TASKS), help="olmo_eval task names, comma-separated"
+    )
+    ap.add_argument("--data_root", default="", help="where the tiny corpus is (prepared there if missing)")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     if not (run_dir / "tokenizer.json").exists():
@@ -141,10 +152,10 @@ def main(argv=None) -> None:
     eos, pad = model.cfg.eos_token_id, model.cfg.pad_token_id or model.cfg.eos_token_id
     tokenizer = data.olmo_eval_tokenizer("tiny", str(run_dir / "tokenizer.json"), pad, eos)
     start = time.perf_counter()
-    built = built_tasks(train.OLMO3_TASKS, tokenizer, args.seq_len, args.docs)
+    built = built_tasks(args.tasks.split(","), tokenizer, args.seq_len, args.docs)
     print(f"built {len(built)} tasks' requests in {time.perf_counter() - start:.0f} s")
     tasks = [data.downstream_task(name, task, args.seq_len) for name, task in built.items()]
-    _, held_out, _ = data.resolve("tiny", "", "")
+    _, held_out, _ = data.resolve("tiny", args.data_root, "")
     held = train.padded_eval_sets(held_out, model.cfg, 256, data.dtype_for_vocab(model.cfg.vocab_size))[0]
     run = train.Run(
         cfg, mesh, model.cfg, compute, 1, None, [held], tasks, str(run_dir / "tokenizer.json"), {}
@@ -182,7 +193,9 @@ def main(argv=None) -> None:
     print("\n| what runs | tokens/s |\n|---|---|")
     print(f"| train step, {cfg.global_batch} x 256 | {step_tps:,.0f} |")
     print(f"| held-out evaluation, {len(held)} instances x 256 | {held_tokens / lm_s:,.0f} |")
-    print(f"| downstream evaluation, 26 tasks at {args.seq_len} | {batch_tokens(run) / downstream_s:,.0f} |")
+    print(
+        f"| downstream evaluation, {len(tasks)} tasks at {args.seq_len} | {batch_tokens(run) / downstream_s:,.0f} |"
+    )
 
 
 if __name__ == "__main__":

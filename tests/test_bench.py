@@ -56,3 +56,27 @@ def test_ckpt_speed_saves_and_restores():
     assert out[0].startswith("state: ") and "+ Adam moments" in out[0]
     assert out[1].split() == ["save", "blocked", "s", "committed", "s", "GiB/s"]
     assert out[2].split()[0] == "1" and out[3].startswith("restore with checksums verified: "), out
+
+
+@pytest.mark.slow
+def test_downstream_prints_ours_beside_the_reference_and_the_speeds(tmp_path, tiny_data):
+    import jax
+
+    import ckpt
+    import olmo3
+
+    run = tmp_path / "run"  # a tiny run's directory: a checkpoint and the tokenizer
+    ckpt.write_first_step(run, olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0)), None)
+    (run / "tokenizer.json").write_text((tiny_data / "tokenizer.json").read_text())
+    tasks = "copycolors_10way_fast,basic_skills_arithmetic_rc_5shot"
+    args = ["--run_dir", str(run), "--data_root", str(tiny_data), "--docs", "2", "--seq_len", "256"]
+    out = bench("downstream.py", *args, "--tasks", tasks)
+    assert "\n| copycolors_10way_fast | accuracy | 2 | " in out, out
+    assert "\n| basic_skills_arithmetic_rc_5shot | " in out
+    assert "\nheld-out tiny-val: CE ours " in out
+    for line in [
+        "| train step, 8 x 256 | ",
+        "| held-out evaluation, ",
+        "| downstream evaluation, 2 tasks at 256 | ",
+    ]:
+        assert f"\n{line}" in out, out
