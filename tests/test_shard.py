@@ -372,10 +372,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(run_dir, steps, tiny_data, *, processes, faults=None):
-    """`train.py --preset tiny` as `processes` processes that share 8 CPU devices; `faults`, one per process,
-    runs it through tests/faults.py (e.g. ["none:0", "during_save:4"])."""
+def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
+    """`train.py --preset tiny` (and `flags`) as `processes` processes that share 8 CPU devices; `faults`, one
+    per process, runs it through tests/faults.py (e.g. ["none:0", "during_save:4"])."""
     args = [
+        *flags,
         "--preset",
         "tiny",
         "--seq_len",
@@ -442,19 +443,24 @@ def metrics(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save(tmp_path, tiny_data):
-    """2 processes x 4 CPU devices through jax.distributed, against 1 process x 8 devices, same mesh. Then
-    one of the two is killed while checkpoint 4 is written: the other stops (it does not hang), and the two
-    restarted resume from checkpoint 2, bit for bit."""
+    """2 processes x 4 CPU devices through jax.distributed, against 1 process x 8 devices, same mesh, a
+    downstream task evaluated at the end. Then one of the two is killed while checkpoint 4 is written: the
+    other stops (it does not hang), and the two restarted resume from checkpoint 2, bit for bit."""
     two, one, killed = tmp_path / "two", tmp_path / "one", tmp_path / "killed"
-    pair, single = launch(two, 6, tiny_data, processes=2), launch(one, 6, tiny_data, processes=1)
+    task = ["--tasks", "copycolors_10way_fast"]  # each process scores its rows of each batch of requests
+    pair = launch(two, 6, tiny_data, processes=2, flags=task)
+    single = launch(one, 6, tiny_data, processes=1, flags=task)
     (lead, other), _ = finish(pair), finish(single)
     assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} over 8 devices in 2 processes" in lead
     assert "config:" not in other  # only process 0 prints
     # Every process writes its shards of every checkpoint; process 0 alone the metrics.
     written = (two / "checkpoints" / "6" / "model").glob("ocdbt.process_*")
     assert sorted(p.name for p in written) == ["ocdbt.process_0", "ocdbt.process_1"]
-    got, want = metrics(two), metrics(one)
+    (*got, got_eval), (*want, want_eval) = metrics(two), metrics(one)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
+    assert got_eval.keys() == want_eval.keys() and len(got_eval) > 10  # step and ICLMetric's metrics
+    for name, value in want_eval.items():
+        assert got_eval[name] == pytest.approx(value, rel=1e-5), name
     for a, b in zip(got, want):
         # The global batch holds the processes' rows one process after the other: the same rows in
         # another order, so the sums round differently, and the batch hashes (sums over rows) agree.
