@@ -4,6 +4,7 @@
     python bench/reference.py --tokenizer tiny --steps 600 --batch 16 --lr 2e-3 --warmup 60 --lr_final 0 \
         --skip_window 128 --horizon 40 --eval_tokens 32768 --noise 4 --check_weights \
         --out runs/learned    # a model that learns, 5 runs a side: 68 min (--noise 1: 28); bench/RESULTS.md
+    python bench/reference.py --bf16 --eval_tokens 0    # both in bf16, judged against what bf16 costs
     python bench/reference.py --steps 6 --batch 2 --seq_len 64 --window 16 --warmup 2 --skip_window 4 \
         --eval_tokens 512 --eval_len 256 --noise 2 --check_weights   # the size tests/test_reference.py runs
 
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.stats
 import torch
+from olmo_core.config import DType
 from olmo_core.data import InstanceFilterConfig, NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
 from olmo_core.nn.hf.checkpoint import save_hf_model
@@ -80,6 +82,14 @@ TOLERANCE = {
 }
 PUBLIC_TOP1 = 0.9875  # the public JAX reproduction's top-1 agreement with AI2's model at 8192 tokens
 LEARNED_DISTINCT = 100  # distinct top-1 predictions on held-out text: a model that has learned
+# --bf16: OLMo-core computes under torch.autocast(bfloat16) (its train module's autocast_precision: matmuls in
+# bf16, reductions and norms in fp32; on GPUs its FSDP keeps bf16 parameters), we with --dtype bfloat16 (bf16
+# logits too, as its LM head makes them); parameters and Adam's moments stay fp32 on both sides. The two bf16
+# trainers round differently (autocast casts only the matmuls' inputs and keeps the residual stream in fp32;
+# our bf16 policy, like OLMo-core's FSDP with bf16 parameters, keeps weights and activations in bf16, the
+# norms' and softmax's sums in fp32), so a step's figures may differ by this many times what bf16 cost either
+# side (its bf16 run against its own fp32 run) through that step.
+BF16_BOUND = 2.0
 NUDGES = (1, -1, 2, -2, 3, -3)  # --noise N: each trainer's extra runs start this many ulps away, in turn
 
 
@@ -187,6 +197,7 @@ def olmo_core_module(args, tokenizer: TokenizerConfig, scheduler=None):
         optim=optim,
         z_loss_multiplier=1e-5,
         max_grad_norm=1.0,
+        autocast_precision=DType.bfloat16 if getattr(args, "bf16", False) else None,
         scheduler=scheduler or CosWithWarmup(warmup=args.warmup, alpha_f=args.lr_final, t_max=args.steps),
     ).build(model, device=torch.device("cpu"))
 
@@ -282,7 +293,7 @@ def our_run(args, files, out: Path, nudge: int = 0):
         skip_window=args.skip_window,
         repeat_filter=args.repeat_filter,
         # The maths' definition; --ours attention=local runs the CPU's default kernel.
-        compute=olmo3.Compute(dtype="float32", attention="reference"),
+        compute=olmo3.Compute(dtype="bfloat16" if args.bf16 else "float32", attention="reference"),
     )
     for override in args.ours:
         name, value = override.split("=", 1)
@@ -325,9 +336,16 @@ def parting(a: list[dict], b: list[dict]) -> int | None:
     )
 
 
-def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
-    table = []
+def compare_steps(ours: list[dict], theirs: list[dict], fp32: tuple | None = None) -> list[dict]:
+    """Each step's figures side by side, and which left their tolerance. `fp32`: both sides ran in bf16, and
+    these are (ours, OLMo-core's) runs in fp32; a step's loss and grad norm may then differ by up to
+    BF16_BOUND times what bf16 cost either side (its bf16 run against its fp32 run) through that step."""
+    table, cost = [], {"loss": 0.0, "grad_norm": 0.0}
     for step, (o, t) in enumerate(zip(ours, theirs), 1):
+        if fp32:
+            o32, t32 = fp32[0][step - 1], fp32[1][step - 1]
+            cost = {k: max(cost[k], rel(o[k], o32[k]), rel(t[k], t32[k])) for k in cost}
+        bound = {k: max(TOLERANCE[k], BF16_BOUND * cost[k] if fp32 else 0.0) for k in cost}
         r = {
             "step": step,
             "ours": o,
@@ -338,12 +356,13 @@ def compare_steps(ours: list[dict], theirs: list[dict]) -> list[dict]:
             "grad_norm_rel": rel(o["grad_norm"], t["grad_norm"]),
             "skipped_equal": o["skipped"] == t["skipped"],
             "filtered_equal": o["filtered"] == t["filtered"],
+            "bf16_cost": cost if fp32 else None,
         }
         checks = {
             "batch": r["hash_equal"],
             "lr": r["lr_equal"],
-            "loss": r["loss_rel"] <= TOLERANCE["loss"],
-            "grad_norm": r["grad_norm_rel"] <= TOLERANCE["grad_norm"],
+            "loss": r["loss_rel"] <= bound["loss"],
+            "grad_norm": r["grad_norm_rel"] <= bound["grad_norm"],
             "skipped": r["skipped_equal"],
             "filtered": r["filtered_equal"],
         }
@@ -513,6 +532,12 @@ def report_steps(table: list[dict], horizon: int, parted: dict) -> list[str]:
         )
     judged = table[:horizon]
     first_out = next((r["step"] for r in table if r["failed"]), None)
+    if cost := judged[-1]["bf16_cost"]:
+        print(
+            f"bf16: each side in bf16 against itself in fp32 differed by up to {cost['loss']:.1e} in loss and "
+            f"{cost['grad_norm']:.1e} in grad norm through step {len(judged)}; the two bf16 trainers may differ "
+            f"by {BF16_BOUND:g} times what bf16 had cost either through each step"
+        )
     print(
         f"steps 1-{len(judged)}: max relative difference loss {max(r['loss_rel'] for r in judged):.1e} "
         f"(tolerance {TOLERANCE['loss']:.0e}), grad norm {max(r['grad_norm_rel'] for r in judged):.1e} "
@@ -709,6 +734,11 @@ def judging_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     p.add_argument("--check_weights", action="store_true", help="also our weights through transformers")
     p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="both trainers compute in bf16 (see BF16); each step judged against what bf16 costs OLMo-core",
+    )
+    p.add_argument(
         "--torch_cpu_norm",
         action="store_true",
         help="let OLMo-core clip with torch's inexact CPU grad norm (see olmo_core_run)",
@@ -744,10 +774,13 @@ def main(argv=None) -> int:
     corpus = out / (f"{tok.name}-repeats{args.seq_len}" if repeats_in else tok.name)
     files = write_corpus(corpus, tok, repeats_in)
     theirs, their_rows = olmo_core_run(args, files, out, tok)
+    in_fp32 = argparse.Namespace(**vars(args) | {"bf16": False})  # --bf16: each side again in fp32
+    their_fp32 = olmo_core_run(in_fp32, files, out / "fp32", tok)[1] if args.bf16 else None
     lap("olmo_core")
     ours, our_rows = our_run(args, files, out)
+    our_fp32 = our_run(in_fp32, files, out)[1] if args.bf16 else None
     lap("ours")
-    table = compare_steps(our_rows, their_rows)
+    table = compare_steps(our_rows, their_rows, (our_fp32, their_fp32) if args.bf16 else None)
     sets = held_out_sets(args, files, out, ours.cfg.vocab_size) if args.eval_tokens else []
     reference = cached(olmo_core_side(theirs))  # OLMo-core's trained model, read against every candidate
     evals = [held_out(ours, reference, s) for s in sets]

@@ -135,3 +135,25 @@ def test_the_trainers_are_compared_by_their_mean_held_out_loss_against_their_own
     assert apart["p"] == pytest.approx(2 * scipy.stats.t.sf(abs(apart["diff"]) / se, df))
     alone = reference.runs_apart(e, None)  # one run a side: the difference, no spread to read it against
     assert alone["diff"] == pytest.approx(ours[0] - theirs[0]) and alone["se"] == 0 and alone["p"] is None
+
+
+def test_bf16_steps_are_judged_against_what_bf16_costs_either_side():
+    spec = importlib.util.spec_from_file_location("reference", ROOT / "bench" / "reference.py")
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    row = lambda loss, grad_norm, lr=1e-3: dict(
+        hash=1, lr=lr, loss=loss, grad_norm=grad_norm, skipped=False, filtered=0
+    )
+    theirs_row = lambda loss, grad_norm: row(loss, grad_norm, [1e-3, 1e-3])  # OLMo-core: an LR a group
+    # Step 2 differs by 5e-4 in fp32 already (a real difference, not rounding), and each side's bf16 run keeps
+    # to its own fp32 run there. bf16 costs OLMo-core 1e-4 in loss at step 1 (ours less), then nothing more
+    # in loss: the bound keeps the largest so far; at step 3 it costs OLMo-core 1e-3 in grad norm.
+    ours_fp32 = [row(8.0, 2.0), row(7.0, 1.5), row(6.0, 1.0)]
+    theirs_fp32 = [theirs_row(8.0 * (1 + 1e-7), 2.0), theirs_row(7.0 * (1 + 5e-4), 1.5), theirs_row(6.0, 1.0)]
+    theirs = [theirs_row(8.0 * (1 + 1e-4), 2.0), theirs_row(7.0 * (1 + 5e-4), 1.5), theirs_row(6.0, 1.001)]
+    ours = [row(8.0 * (1 - 0.9e-4), 2.0), row(7.0, 1.5), row(6.0, 1.0 * (1 - 0.5e-3))]
+    steps = reference.compare_steps(ours, theirs, (ours_fp32, theirs_fp32))
+    assert steps[0]["bf16_cost"]["loss"] == pytest.approx(1e-4, rel=1e-2)
+    assert steps[0]["failed"] == [] and steps[2]["failed"] == []  # within twice what bf16 cost so far
+    assert steps[1]["failed"] == ["loss"]  # 5e-4 > 2 x 1e-4
+    assert reference.compare_steps(ours, theirs)[0]["failed"] == ["loss"]  # in fp32, the per-step 1e-5
