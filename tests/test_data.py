@@ -682,3 +682,42 @@ def test_tokenize_to_a_read_only_or_full_disk_stops_in_one_line(tmp_path, fault)
     else:
         assert last == f"error: --out {disk}/out: No space left on device while caching the sources there"
         assert out.stdout.split("exit=1")[1].split() == [f"{disk}/out"]  # and nothing inside it
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_packed_instances_are_olmo_cores(tmp_path, group_size):
+    """OLMo-core's NumpyPackedFSLDataset (its stage-3 data: best-fit-decreasing packing, generate_doc_lengths)
+    over files of documents from 1 token to twice the sequence length, many of the same length (the sort's
+    ties), one file ending in a document without its EOS: every instance's tokens, label mask and document
+    lengths equal, in order."""
+    from olmo_core.data import NumpyPackedFSLDataset
+
+    seq, eos, pad, rng = 64, 1, 0, np.random.default_rng(3)
+    paths = []
+    for k, n_docs in enumerate([40, 25, 60, 7, 33]):
+        lengths = rng.choice([1, 2, 5, 16, 16, 31, 32, 33, 40, 63, 64, 65, 128], n_docs)
+        docs = [np.append(rng.integers(2, 500, n - 1), eos) for n in lengths]
+        tokens = np.concatenate(docs + ([rng.integers(2, 500, 9)] if k == 3 else [])).astype(np.uint16)
+        paths.append(str(tmp_path / f"{k}.npy"))
+        tokens.tofile(paths[-1])
+    ref = NumpyPackedFSLDataset(
+        *paths,
+        sequence_length=seq,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        vocab_size=500,
+        dtype=np.uint16,
+        generate_doc_lengths=True,
+        source_group_size=group_size,
+    )
+    ref.work_dir = tmp_path / "work"
+    ref.prepare()
+    ours = data.PackedInstances(paths, seq, eos, pad, np.uint16, group_size)
+    assert len(ours) == len(ref) > 60
+    for i in range(len(ref)):
+        tokens, mask, doc_lens = ours.instance(i)
+        want = ref[i]
+        np.testing.assert_array_equal(tokens, want["input_ids"].numpy())
+        np.testing.assert_array_equal(mask, want["label_mask"].numpy())
+        np.testing.assert_array_equal(doc_lens, want["doc_lens"].numpy())
+    assert sum(int(m.sum()) for m in (ours.instance(i)[1] for i in range(len(ours)))) > 0.9 * len(ours) * seq
