@@ -721,3 +721,20 @@ def test_packed_instances_are_olmo_cores(tmp_path, group_size):
         np.testing.assert_array_equal(mask, want["label_mask"].numpy())
         np.testing.assert_array_equal(doc_lens, want["doc_lens"].numpy())
     assert sum(int(m.sum()) for m in (ours.instance(i)[1] for i in range(len(ours)))) > 0.9 * len(ours) * seq
+    # The global order: OLMo-core's loader over the packed instances is data.global_indices, as for stage 1.
+    from olmo_core.data import DataCollator, NumpyFSLDataLoader
+
+    batch, seed = 4, 34521
+    loader = NumpyFSLDataLoader(
+        ref,
+        collator=DataCollator(pad_token_id=pad),
+        work_dir=str(tmp_path / "work"),
+        global_batch_size=batch * seq,
+        seed=seed,
+    )
+    loader.reshuffle(epoch=1)
+    order = data.global_indices(len(ours), seed, 1)
+    for i, got in enumerate(loader):
+        want = [ours.instance(j)[0] for j in order[i * batch : (i + 1) * batch]]
+        np.testing.assert_array_equal(got["input_ids"].numpy(), want)
+    assert i + 1 == len(ours) // batch
