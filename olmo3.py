@@ -309,11 +309,19 @@ def attention(
     window: int | None,
     impl: str = "reference",
     layout=None,
+    documents: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal (optionally sliding-window) softmax attention with grouped kv heads. `layout` (shard.Layout)
-    runs the Splash kernel on each device's shard; the other paths XLA partitions by itself."""
+    runs the Splash kernel on each device's shard; the other paths XLA partitions by itself. `documents`
+    (packed rows: each position's document number) keeps each query to the keys of its own document, as
+    OLMo-core's document masking does (its doc_lens)."""
     *batch, seq, n_heads, head_dim = q.shape
     if impl == "cudnn":
+        if documents is not None:
+            raise ValueError(
+                "Compute.attention 'cudnn': document masking (packed documents) is not on the cuDNN path yet; "
+                "expected Compute.attention reference, local or splash"
+            )
         if q.dtype not in (jnp.bfloat16, jnp.float16):
             raise ValueError(
                 f"Compute.attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}: expected "
@@ -328,13 +336,16 @@ def attention(
             local_window_size=(window - 1, 0) if window else None,
         )
     if impl == "local" and window and seq > window and seq % window == 0:
-        return _local_attention(q, k, v, window)
+        return _local_attention(q, k, v, window, documents)
     if impl == "splash":
-        return _splash_attention(q, k, v, window, layout)
+        return _splash_attention(q, k, v, window, layout, documents)
     n_kv = k.shape[-2]
     qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
     scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-    mask = causal_mask(seq, window).reshape((1,) * (scores.ndim - 2) + (seq, seq))
+    mask = causal_mask(seq, window).reshape((1,) * len(batch) + (seq, seq))
+    if documents is not None:
+        mask = mask & (documents[..., :, None] == documents[..., None, :])
+    mask = mask.reshape((*mask.shape[:-2], 1, 1, seq, seq))  # batch kv_heads group seq seq
     probs = masked_softmax(scores, mask).astype(v.dtype)
     return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
 
@@ -344,6 +355,7 @@ def _local_attention(
     k: Float[Array, "*batch seq kv_heads head_dim"],
     v: Float[Array, "*batch seq kv_heads head_dim"],
     window: int,
+    documents: Int[Array, "*batch seq"] | None = None,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     # Sliding-window attention in blocks of `window` queries, each against its own block of keys and the
     # one before: exactly the keys the window can reach, so the same softmax as the reference without the
@@ -363,12 +375,16 @@ def _local_attention(
     first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
     mask = (t <= s) & (s - t < window) & ~(first & (t < window))
     mask = mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window))
+    if documents is not None:  # each block's queries' documents against its reach's keys'
+        d_blocks = documents.reshape(*batch, n_blocks, window)
+        d_reach = jnp.concatenate([jnp.roll(d_blocks, 1, axis=-2), d_blocks], axis=-1)  # block 0's: masked
+        mask = mask & (d_blocks[..., :, None] == d_reach[..., None, :])[..., :, None, None, :, :]
     probs = masked_softmax(scores * head_dim**-0.5, mask).astype(v.dtype)
     out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v_reach)
     return out.reshape(*batch, seq, n_heads, head_dim)
 
 
-def _splash_attention(q, k, v, window, layout):
+def _splash_attention(q, k, v, window, layout, documents=None):
     # TPU Pallas (Mosaic) kernel; the window is a LocalMask, so it is honoured, never dropped. XLA cannot
     # partition a Mosaic kernel, so on a mesh it runs inside shard_map on each device's rows and heads:
     # q is regrouped as "kv_heads group" so that q, k and v split their heads alike.
@@ -382,23 +398,19 @@ def _splash_attention(q, k, v, window, layout):
     kernel = functools.partial(_splash_kernel, window=window, interpret=platform != "tpu")
     for _ in batch:
         kernel = jax.vmap(kernel)
+    args = [qg, k, v] + ([] if documents is None else [documents.astype(jnp.int32)])
     if layout is not None:
         lead = ("batch",) + (None,) * (len(batch) - 1) if batch else ()
-        kernel = layout.per_shard(
-            kernel,
-            [
-                lead + ("seq", "kv_heads", None, "head_dim"),
-                lead + ("seq", "kv_heads", "head_dim"),
-                lead + ("seq", "kv_heads", "head_dim"),
-            ],
-        )
-    return kernel(qg, k, v).reshape(q.shape)
+        axes = [lead + ("seq", "kv_heads", None, "head_dim")] + [lead + ("seq", "kv_heads", "head_dim")] * 2
+        kernel = layout.per_shard(kernel, axes + ([lead + ("seq",)] if documents is not None else []))
+    return kernel(*args).reshape(q.shape)
 
 
 def _splash_kernel(
     q: Float[Array, "seq kv_heads group head_dim"],
     k: Float[Array, "seq kv_heads head_dim"],
     v: Float[Array, "seq kv_heads head_dim"],
+    documents: Int[Array, " seq"] | None = None,
     *,
     window: int | None,
     interpret: bool,
@@ -429,7 +441,9 @@ def _splash_kernel(
         interpret=interpret,
     )
     heads_first = lambda x: jnp.moveaxis(x.reshape(seq, -1, head_dim), 0, 1)  # heads seq head_dim
-    out = kernel(heads_first(q * head_dim**-0.5), heads_first(k), heads_first(v))  # splash does not scale
+    segments = None if documents is None else sa.SegmentIds(q=documents, kv=documents)  # others' keys masked
+    q = q * head_dim**-0.5  # splash does not scale
+    out = kernel(heads_first(q), heads_first(k), heads_first(v), segment_ids=segments)
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 

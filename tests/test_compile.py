@@ -75,6 +75,25 @@ def test_hbm_table_is_what_the_tpu_compiler_allows(family):
     assert target.hbm_per_device == int(available * 2**30)
 
 
+def test_document_masked_splash_compiles_for_a_tpu_forward_and_backward():
+    """Packed documents on the TPU path: Splash with segment ids (each position's document) and the sliding
+    window, on each device's rows and heads, compiled by the TPU compiler into Mosaic kernels, its gradient too."""
+    target = shard.compile_target("v5e:2x2")
+    mesh = shard.make_mesh("fsdp=2,tensor=2", list(target.devices))
+    layout = shard.Layout(mesh)
+    spec = lambda *axes: NamedSharding(mesh, P(*axes))
+    q = jax.ShapeDtypeStruct((4, 1024, 8, 128), jnp.bfloat16, sharding=spec("fsdp", None, "tensor"))
+    kv = jax.ShapeDtypeStruct((4, 1024, 2, 128), jnp.bfloat16, sharding=spec("fsdp", None, "tensor"))
+    documents = jax.ShapeDtypeStruct((4, 1024), jnp.int32, sharding=spec("fsdp"))
+    loss = lambda q, k, v, d: olmo3.attention(q, k, v, 512, "splash", layout, d).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, documents).compile().as_text()
+    calls = re.findall(r'custom_call_target="tpu_custom_call".*?op_name="([^"]*)"', hlo, re.DOTALL)
+    assert sorted(re.search(r"(splash_mha_[a-z_]+?)/pallas_call", c).group(1) for c in calls) == [
+        "splash_mha_dkv_segmented_no_residuals",  # the segmented kernels: the documents are in them
+        "splash_mha_fwd_segmented_residuals",
+    ], calls
+
+
 def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_tensor_parallelism():
     """A small OLMo 3 (sliding and full layers, grouped kv heads) for a v5e:2x2 with fsdp and tensor axes:
     every attention call is a Mosaic custom call (an interpreted kernel would be plain HLO), and the TPU

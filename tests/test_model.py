@@ -74,14 +74,16 @@ def test_bf16_compute_top1_agreement(tmp_path):
     assert agreement >= 0.99
 
 
-def brute_force_attention(q, k, v, window):
-    """Softmax attention with an explicit mask, one head at a time, in float64 NumPy."""
+def brute_force_attention(q, k, v, window, documents=None):
+    """Softmax attention with an explicit mask, one head at a time, in float64 NumPy; with `documents`, a
+    query sees only the keys of its own document."""
     seq, heads, hd = q.shape
     group = heads // k.shape[1]
+    same = lambda s, t: documents is None or documents[s] == documents[t]
     out = np.zeros(q.shape)
     for h in range(heads):
         for s in range(seq):
-            keys = [t for t in range(seq) if t <= s and (window is None or s - t < window)]
+            keys = [t for t in range(seq) if t <= s and (window is None or s - t < window) and same(s, t)]
             scores = np.array([q[s, h] @ k[t, h // group] for t in keys]) / np.sqrt(hd)
             p = np.exp(scores - scores.max())
             p /= p.sum()
@@ -98,6 +100,25 @@ def test_attention_equals_brute_force(window, impl):
     q, k, v = (rng.standard_normal((12, n, 8)).astype(np.float32) for n in (4, 2, 2))
     ours = olmo3.attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), window, impl)
     np.testing.assert_allclose(np.asarray(ours), brute_force_attention(q, k, v, window), rtol=1e-5, atol=1e-6)
+
+
+# Packed documents of 3, 5, 1 and 3 tokens: boundaries inside and across the local kernel's 4-query blocks.
+DOCUMENTS = np.array([0, 0, 0, 1, 1, 1, 1, 1, 2, 3, 3, 3])
+
+
+@pytest.mark.parametrize("impl", ["reference", "local"])
+@pytest.mark.parametrize("window", [None, 4, 5])
+def test_document_masked_attention_equals_brute_force(window, impl):
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 12, n, 8)).astype(np.float32) for n in (4, 2, 2))
+    documents = np.stack([DOCUMENTS, np.zeros(12, int)])  # a packed row, and one document (no masking)
+    ours = olmo3.attention(*map(jnp.asarray, (q, k, v)), window, impl, documents=jnp.asarray(documents))
+    for row in range(2):
+        want = brute_force_attention(q[row], k[row], v[row], window, documents[row])
+        np.testing.assert_allclose(np.asarray(ours[row]), want, rtol=1e-5, atol=1e-6)
+    # A document's outputs are its own: the same as attention over that document alone.
+    alone = olmo3.attention(*(jnp.asarray(x[0, 3:8]) for x in (q, k, v)), window, impl)
+    np.testing.assert_allclose(np.asarray(ours[0, 3:8]), np.asarray(alone), rtol=1e-5, atol=1e-6)
 
 
 def test_local_attention_gradients_equal_the_reference():
@@ -122,6 +143,13 @@ def test_splash_kernel_equals_reference():
     batch = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]  # a batch runs the kernel once per sequence
     np.testing.assert_allclose(
         olmo3.attention(*batch, 64, "splash"), olmo3.attention(*batch, 64), rtol=2e-5, atol=2e-5
+    )
+    documents = jnp.asarray(np.repeat([[0, 1, 2, 3], [0, 0, 1, 1]], [60, 100, 90, 6], axis=1))  # packed rows
+    np.testing.assert_allclose(
+        olmo3.attention(*batch, 64, "splash", documents=documents),
+        olmo3.attention(*batch, 64, documents=documents),
+        rtol=2e-5,
+        atol=2e-5,
     )
 
 
