@@ -565,8 +565,12 @@ class Olmo3(eqx.Module):
         model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
         return layout.gather(model) if layout is not None else model
 
-    def features(self, tokens: Int[Array, "*batch seq"], layout=None) -> Float[Array, "*batch seq embed"]:
-        """The final-normed hidden states that the LM head reads."""
+    def features(
+        self, tokens: Int[Array, "*batch seq"], layout=None, documents: Int[Array, "*batch seq"] | None = None
+    ) -> Float[Array, "*batch seq embed"]:
+        """The final-normed hidden states that the LM head reads. `documents` (packed rows: each position's
+        document) masks attention between documents; positions (RoPE) run across the whole row, as in the
+        code AI2's released long-context model trained with."""
         cfg, compute = self.cfg, self.compute
         if compute.attention == "auto":
             raise ValueError(
@@ -575,7 +579,7 @@ class Olmo3(eqx.Module):
             )
         model = self.as_used(layout)
         x = model.embed_tokens[tokens]
-        attend = functools.partial(attention, impl=compute.attention, layout=layout)
+        attend = functools.partial(attention, impl=compute.attention, layout=layout, documents=documents)
 
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
         # compiled program holds one group whatever the depth, and each layer's window is static.

@@ -121,6 +121,21 @@ def test_document_masked_attention_equals_brute_force(window, impl):
     np.testing.assert_allclose(np.asarray(ours[0, 3:8]), np.asarray(alone), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["reference", "local"])
+def test_a_packed_row_s_documents_are_each_computed_as_alone(impl):
+    """The model on a row of packed documents, masked by document: each document's hidden states are the
+    model's on that document alone (RoPE sees only relative positions, so its offset in the row is not seen)."""
+    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], sliding_window=4)
+    model = olmo3.Olmo3(cfg, key=jax.random.key(0), compute=olmo3.Compute(attention=impl))
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 16)))
+    documents = jnp.asarray([[0] * 3 + [1] * 6 + [2] * 7])
+    packed = model.features(tokens, documents=documents)
+    for start, end in [(0, 3), (3, 9), (9, 16)]:
+        alone = model.features(tokens[:, start:end])
+        np.testing.assert_allclose(packed[:, start:end], alone, rtol=2e-5, atol=2e-5)
+    assert not np.allclose(model.features(tokens)[:, 3:9], packed[:, 3:9], atol=1e-3)  # masking did something
+
+
 def test_local_attention_gradients_equal_the_reference():
     rng = np.random.default_rng(2)
     q, k, v, g = (jnp.asarray(rng.standard_normal((2, 32, n, 8)), jnp.float32) for n in (4, 2, 2, 4))
