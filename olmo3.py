@@ -269,22 +269,35 @@ def rope_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
     return inv_freq, scale
 
 
-def rope_cos_sin(rope: Rope, head_dim: int, seq_len: int) -> tuple[Float[Array, "seq head_dim"], ...]:
+def rope_cos_sin(
+    rope: Rope, head_dim: int, seq_len: int, positions: Int[Array, "*batch seq"] | None = None
+) -> tuple[Float[Array, "*#batch seq head_dim"], ...]:
+    """RoPE's cos and sin at positions 0 ... seq_len - 1, or at `positions` (each row its own)."""
     inv_freq, scale = rope_frequencies(rope, head_dim)
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    positions = jnp.arange(seq_len) if positions is None else positions
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq.reshape((1,) * positions.ndim + (-1,))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
+def document_positions(documents: Int[Array, "*batch seq"]) -> Int[Array, "*batch seq"]:
+    """Each position's offset in its document (packed rows: the documents' numbers, as `attention` takes)."""
+    index = jnp.broadcast_to(jnp.arange(documents.shape[-1]), documents.shape)
+    first = jnp.concatenate(
+        [jnp.ones_like(documents[..., :1], bool), documents[..., 1:] != documents[..., :-1]], -1
+    )
+    return index - jax.lax.cummax(jnp.where(first, index, 0), axis=documents.ndim - 1)
+
+
 def apply_rope(
     x: Float[Array, "*batch seq heads head_dim"],
-    cos: Float[Array, "seq head_dim"],
-    sin: Float[Array, "seq head_dim"],
+    cos: Float[Array, "*#batch seq head_dim"],
+    sin: Float[Array, "*#batch seq head_dim"],
 ) -> Float[Array, "*batch seq heads head_dim"]:
     x32 = x.astype(jnp.float32)  # rotate in fp32, cast back after
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    per_head = (1,) * (x.ndim - 3) + (cos.shape[0], 1, cos.shape[1])  # the same angle for every head
+    per_head = (1,) * (x.ndim - 1 - cos.ndim) + cos.shape[:-1] + (1, cos.shape[-1])  # every head alike
     return (x32 * cos.reshape(per_head) + rotated * sin.reshape(per_head)).astype(x.dtype)
 
 
@@ -472,8 +485,8 @@ class Attention(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "*batch seq embed"],
-        cos: Float[Array, "seq head_dim"],
-        sin: Float[Array, "seq head_dim"],
+        cos: Float[Array, "*#batch seq head_dim"],
+        sin: Float[Array, "*#batch seq head_dim"],
         window: int | None,
         cfg: Olmo3Config,
         attend=attention,
@@ -518,8 +531,8 @@ class Block(eqx.Module):
     def __call__(
         self,
         x: Float[Array, "*batch seq embed"],
-        cos: Float[Array, "seq head_dim"],
-        sin: Float[Array, "seq head_dim"],
+        cos: Float[Array, "*#batch seq head_dim"],
+        sin: Float[Array, "*#batch seq head_dim"],
         window: int | None,
         cfg: Olmo3Config,
         attend=attention,
@@ -566,11 +579,16 @@ class Olmo3(eqx.Module):
         return layout.gather(model) if layout is not None else model
 
     def features(
-        self, tokens: Int[Array, "*batch seq"], layout=None, documents: Int[Array, "*batch seq"] | None = None
+        self,
+        tokens: Int[Array, "*batch seq"],
+        layout=None,
+        documents: Int[Array, "*batch seq"] | None = None,
+        positions: Int[Array, "*batch seq"] | None = None,
     ) -> Float[Array, "*batch seq embed"]:
         """The final-normed hidden states that the LM head reads. `documents` (packed rows: each position's
-        document) masks attention between documents; positions (RoPE) run across the whole row, as in the
-        code AI2's released long-context model trained with."""
+        document) masks attention between documents. RoPE's `positions` default to 0 ... seq - 1 across the
+        row, as in the code AI2's released long-context model trained with; document_positions(documents)
+        restarts them at each document, as OLMo-core does since May 2026."""
         cfg, compute = self.cfg, self.compute
         if compute.attention == "auto":
             raise ValueError(
@@ -584,7 +602,7 @@ class Olmo3(eqx.Module):
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
         # compiled program holds one group whatever the depth, and each layer's window is static.
         types = cfg.layer_types[: cfg.period]
-        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, tokens.shape[-1]) for t in set(types)}
+        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, tokens.shape[-1], positions) for t in set(types)}
         groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), model.layers)
 
         def group(x, blocks):

@@ -134,6 +134,14 @@ def test_a_packed_row_s_documents_are_each_computed_as_alone(impl):
         alone = model.features(tokens[:, start:end])
         np.testing.assert_allclose(packed[:, start:end], alone, rtol=2e-5, atol=2e-5)
     assert not np.allclose(model.features(tokens)[:, 3:9], packed[:, 3:9], atol=1e-3)  # masking did something
+    # Positions restarted at each document (OLMo-core since May 2026): each document as alone, to fp32 rounding.
+    positions = olmo3.document_positions(documents)
+    np.testing.assert_array_equal(positions, [[0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6]])
+    restarted = model.features(tokens, documents=documents, positions=positions)
+    for start, end in [(0, 3), (3, 9), (9, 16)]:
+        np.testing.assert_allclose(
+            restarted[:, start:end], model.features(tokens[:, start:end]), rtol=2e-5, atol=2e-5
+        )
 
 
 def test_local_attention_gradients_equal_the_reference():
