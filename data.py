@@ -614,7 +614,12 @@ def olmo_eval_tokenizer(name: str, path: str | None, pad_id: int, eos_id: int):
     from olmo_eval import HFTokenizer
 
     if name == "tiny":
-        return HFTokenizer(tiny_tokenizer_file(path), pad_token_id=pad_id, eos_token_id=eos_id)
+        if not os.path.isfile(file := tiny_tokenizer_file(path)):
+            raise DataError(
+                f"--tokenizer tiny: {file} does not exist, and the downstream tasks need it; it is made with the "
+                "tiny corpus (--data tiny, or python data.py prepare-tiny)"
+            )
+        return HFTokenizer(file, pad_token_id=pad_id, eos_token_id=eos_id)
     with tempfile.TemporaryDirectory() as tmp:
         file = os.path.join(tmp, "tokenizer.json")
         with open(file, "w") as f:

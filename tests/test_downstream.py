@@ -132,3 +132,20 @@ def test_a_tasks_only_eval_row_is_replaced_by_eval_only(tmp_path):
     log.close()
     ckpt.MetricsLog(tmp_path, True, False).rewind(5, keep_eval=False)
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows[:1]
+
+
+def test_tasks_with_the_tiny_tokenizer_missing_are_refused_naming_the_file(
+    monkeypatch, tiny_data, tmp_path, capsys
+):
+    """--data given as token files with --tokenizer tiny: the tasks need the tiny tokenizer.json, which only
+    the tiny corpus brings; without it the run stops before anything is written, naming the file."""
+    monkeypatch.setattr(data, "TINY_DIR", str(tmp_path / "nowhere"))
+    argv = ["--preset", "tiny", "--data", str(tiny_data / "train" / "part-00000.npy")]
+    argv += ["--tasks", "copycolors_10way_fast", "--run_dir", str(tmp_path / "run")]
+    assert train.cli(argv) == 1
+    missing = tmp_path / "nowhere" / "tokenizer.json"
+    assert capsys.readouterr().err.strip() == (
+        f"error: --tokenizer tiny: {missing} does not exist, and the downstream tasks need it; it is made "
+        "with the tiny corpus (--data tiny, or python data.py prepare-tiny)"
+    )
+    assert not (tmp_path / "run").exists()

@@ -394,7 +394,9 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
         "--heartbeat_timeout",
         "10",
         "--data",
-        str(tiny_data / "train" / "part-00000.npy"),
+        "tiny",  # the corpus's training files and tokenizer (the downstream tasks need it), its held-out set
+        "--data_root",
+        str(tiny_data),
     ]
     devices = f"--xla_force_host_platform_device_count={8 // processes}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices, PYTHONFAULTHANDLER="1")
@@ -458,7 +460,7 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     assert sorted(p.name for p in written) == ["ocdbt.process_0", "ocdbt.process_1"]
     (*got, got_eval), (*want, want_eval) = metrics(two), metrics(one)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
-    assert got_eval.keys() == want_eval.keys() and len(got_eval) > 10  # step and ICLMetric's metrics
+    assert got_eval.keys() == want_eval.keys() and len(got_eval) > 10  # the held-out set's, ICLMetric's
     for name, value in want_eval.items():
         assert got_eval[name] == pytest.approx(value, rel=1e-5), name
     for a, b in zip(got, want):
@@ -476,7 +478,7 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     assert "another task died" in out and time.time() - t0 < 90
     lead, _ = finish(launch(killed, 6, tiny_data, processes=2))
     assert "resuming from" in lead and "(step 2)" in lead
-    same = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows]
+    same = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows if "loss" in r]
     assert same(metrics(killed)) == same(got)  # every step once, bitwise
 
 
