@@ -485,6 +485,13 @@ def document_spans(path: str, seq_len: int, eos_id: int, dtype) -> np.ndarray:
     return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
 
 
+def files_document_spans(paths: list[str], files, seq_len: int, eos_id: int, dtype) -> np.ndarray:
+    """document_spans of paths[k] for each k of `files`, one after the other, as rows (k, start, end)."""
+    return np.concatenate(
+        [np.insert(document_spans(paths[k], seq_len, eos_id, dtype), 0, k, axis=1) for k in files]
+    )
+
+
 class PaddedEvalSet:
     """One labelled held-out set as OLMo-core's NumpyPaddedFSLDataset makes it: one instance per document
     (document_spans), in file order, right-padded with pad_id to seq_len; its label mask is True on the
@@ -493,10 +500,7 @@ class PaddedEvalSet:
     def __init__(self, label: str, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype):
         self.label, self.paths, self.seq_len, self.pad_id = label, list(paths), seq_len, pad_id
         self.tokens = [np.memmap(p, np.dtype(dtype), "r") for p in self.paths]
-        spans = [document_spans(p, seq_len, eos_id, dtype) for p in self.paths]
-        self.spans = np.concatenate(
-            [np.insert(s, 0, k, axis=1) for k, s in enumerate(spans)]
-        )  # file, start, end
+        self.spans = files_document_spans(self.paths, range(len(self.paths)), seq_len, eos_id, dtype)
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -553,9 +557,7 @@ class PackedInstances:
         self.spans = []  # per instance: its documents as (file, start, end)
         for first in range(0, len(paths), group_size):
             group = range(first, min(first + group_size, len(paths)))
-            spans = np.concatenate(
-                [np.insert(document_spans(paths[k], seq_len, eos_id, dtype), 0, k, axis=1) for k in group]
-            )
+            spans = files_document_spans(paths, group, seq_len, eos_id, dtype)
             for docs in pack_best_fit(spans[:, 2] - spans[:, 1], seq_len):
                 self.spans.append(spans[docs])
 
