@@ -1135,12 +1135,13 @@ def _hf_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 - a safetensors file, not a dict
 
 
-def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str) -> None:
-    """Released weights must be the preset's model (token ids and max length may differ), before loading."""
+def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str, as_run=lambda hf: hf) -> None:
+    """Released weights must be the preset's model (token ids and max length may differ) once the run has
+    made them its own (`as_run`: e.g. YaRN added to a stage-2 model for stage 3), before loading."""
     if not (Path(hf_dir) / "config.json").is_file():
         raise ValueError(f"--init_from_hf {hf_dir}: no config.json there; expected an HF model directory")
     try:
-        hf = read_hf_config(hf_dir)
+        hf = as_run(read_hf_config(hf_dir))
         _hf_files(Path(hf_dir))
     except (OSError, ValueError) as e:
         raise ValueError(f"--init_from_hf {hf_dir}: {e}") from None
@@ -1163,6 +1164,16 @@ def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str) -> None:
             f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
             + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items())
         )
+
+
+def with_config(model: Olmo3, cfg: Olmo3Config) -> Olmo3:
+    """The same weights as a model of `cfg`, which differs from model.cfg only where no weight's shape shows it
+    (RoPE, the context length): a stage that extends the context (YaRN) goes on from the weights as they are."""
+    weights, like = eqx.filter(model, is_array), olmo3.abstract(cfg, model.compute)
+    shapes = lambda tree: [w.shape for w in jax.tree.leaves(eqx.filter(tree, is_array))]
+    if shapes(weights) != shapes(like):
+        raise ValueError(f"the model's weights do not fit {cfg}")
+    return eqx.combine(weights, eqx.filter(like, is_array, inverse=True))
 
 
 def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
@@ -1646,7 +1657,9 @@ def import_olmo_core(ckpt_dir, run_dir, train_cfg, weights_only: bool = False) -
     is not saved). Everything is read and checked before RUN_DIR is touched. Reading holds one tensor beyond
     what it has built, but the state is built whole in host memory before Orbax writes it (weights and two
     moments in fp32, 12 bytes a parameter; Orbax copies it while it writes). Returns Adam's count."""
-    cfg = olmo3.PRESETS[train_cfg.model_preset]
+    import train
+
+    cfg = train.model_config(train_cfg)  # the preset's model as the recipe uses it (stage 3: YaRN, 65,536)
     model, adam = load_olmo_core(ckpt_dir, cfg, train_cfg.model_preset, weights_only)
     write_first_step(run_dir, model, None if adam is None else carried_state(train_cfg, *adam), ckpt_dir)
     return None if adam is None else adam[2]
@@ -1711,14 +1724,14 @@ def next_stage(run_dir, new_run_dir, train_cfg, step: int | None = None) -> tupl
         step, (model, opt) = ckpts.chosen(lambda s: read_train_state(ckpts, s), step)
     finally:
         ckpts.close()
-    if diff := model_differences(model.cfg, train.model_config(train_cfg)):
+    new_cfg = train.model_config(train_cfg)  # a stage may extend the context: YaRN, a longer --seq_len
+    if diff := model_differences(train.extended_context(train_cfg, model.cfg), new_cfg):
         raise ValueError(
             f"{ckpts.dir / str(step)} holds another model than --preset {train_cfg.preset}'s "
             f"({train_cfg.model_preset}): {diff} (checkpoint vs preset)"
         )
-    write_first_step(
-        new_run_dir, model, carried_state(train_cfg, opt.mu, opt.nu, opt.count), ckpts.dir / str(step)
-    )
+    model, state = with_config(model, new_cfg), carried_state(train_cfg, opt.mu, opt.nu, opt.count)
+    write_first_step(new_run_dir, model, state, ckpts.dir / str(step))
     return step, float(opt.count)
 
 

@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import queue
+import random
 import re
 import shutil
 import sys
@@ -240,59 +241,16 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
         raise bad_id(path, offset + int(bad[0]), int(tokens[bad[0]]), vocab_size)
 
 
-class TokenLoader:
-    """Fixed-length instances of token files in OLMo-core's global order; batch i is a pure function of i."""
+class GlobalOrder:
+    """OLMo-core's NumpyFSLDataLoader over `num_instances` instances: the global permutation (seed, epoch), cut
+    into whole batches, each batch's rows dealt to data-parallel ranks; batch i is a pure function of i."""
 
-    def __init__(
-        self,
-        paths,
-        seq_len: int,
-        global_batch_size: int,
-        seed: int | None = None,
-        epoch: int = 1,
-        dtype=np.uint32,
-        vocab_size: int | None = None,
-        work_dir: str | None = None,
-    ):
-        self.paths = [os.fspath(p) for p in paths]
-        if not self.paths:
-            raise DataError("no token files given (an empty mix or path list)")
-        self.seq_len, self.global_batch_size = seq_len, global_batch_size
-        self.seed, self.epoch, self.dtype, self.work_dir = seed, epoch, np.dtype(dtype), work_dir
-        self.vocab_size = vocab_size
-        tokens = [_num_tokens(p, self.dtype) for p in self.paths]
-        # Instances of file k are numbers offsets[k] .. offsets[k+1]-1.
-        self.offsets = np.cumsum([0] + [n // seq_len for n in tokens])
-        self.num_instances = int(self.offsets[-1])
-        if self.num_instances == 0:
-            k = int(np.argmax(tokens))
-            raise DataError(
-                f"seq_len {seq_len} is longer than every token file; the longest, "
-                f"{self.paths[k]}, has {tokens[k]} tokens"
-            )
-        self.num_batches = self.num_instances // global_batch_size  # OLMo-core drops the partial last batch
+    def __init__(self, num_instances: int, global_batch_size: int, seed, epoch: int, work_dir, what: str):
+        self.num_instances, self.global_batch_size = num_instances, global_batch_size
+        self.seed, self.epoch, self.work_dir = seed, epoch, work_dir
+        self.num_batches = num_instances // global_batch_size  # OLMo-core drops the partial last batch
         if self.num_batches == 0:
-            raise DataError(
-                f"{self.num_instances} instances of {seq_len} tokens do not fill one global "
-                f"batch of {global_batch_size}"
-            )
-        if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
-            for p in self.paths:
-                _check_ids(np.fromfile(p, self.dtype, count=4096), vocab_size, p, 0)
-        # Names relative to the files' common folder, so a data root mounted elsewhere still resumes.
-        root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in self.paths])
-        files = [
-            [os.path.relpath(os.path.abspath(p), root), n * self.dtype.itemsize]
-            for p, n in zip(self.paths, tokens)
-        ]
-        self.fingerprint = {
-            "files": files,
-            "seq_len": seq_len,
-            "dtype": str(self.dtype),
-            "seed": seed,
-            "epoch": epoch,
-            "global_batch_size": global_batch_size,
-        }
+            raise DataError(f"{num_instances} {what} do not fill one global batch of {global_batch_size}")
         self._indices = None
 
     @property
@@ -327,6 +285,77 @@ class TokenLoader:
             global_indices(n, self.seed, self.epoch).tofile(f)
         return np.memmap(path, np.uint32, "r")
 
+    def batch_indices(self, i: int) -> np.ndarray:
+        """The instances of batch i (0-indexed), in the global order."""
+        if not 0 <= i < self.num_batches:
+            raise IndexError(
+                f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
+                f"batches (0..{self.num_batches - 1}) of {self.global_batch_size}"
+            )
+        return self.indices[i * self.global_batch_size : (i + 1) * self.global_batch_size]
+
+    def row_ids(self, rank: int, world: int) -> np.ndarray:
+        """Where rank's rows sit in the global batch: OLMo-core's `indices[:, rank::world]`, strided."""
+        if self.global_batch_size % world:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by the "
+                f"data-parallel world size {world}"
+            )
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside the data-parallel world of size {world}")
+        return np.arange(rank, self.global_batch_size, world)
+
+
+def files_fingerprint(paths: list[str], dtype: np.dtype) -> list:
+    """Each file as [name, bytes], the names relative to the files' common folder, so that a data root mounted
+    elsewhere still resumes."""
+    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+    return [
+        [os.path.relpath(os.path.abspath(p), root), _num_tokens(p, dtype) * dtype.itemsize] for p in paths
+    ]
+
+
+class TokenLoader(GlobalOrder):
+    """Fixed-length instances of token files in OLMo-core's global order (stages 1 and 2)."""
+
+    def __init__(
+        self,
+        paths,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int | None = None,
+        epoch: int = 1,
+        dtype=np.uint32,
+        vocab_size: int | None = None,
+        work_dir: str | None = None,
+    ):
+        self.paths = [os.fspath(p) for p in paths]
+        if not self.paths:
+            raise DataError("no token files given (an empty mix or path list)")
+        self.seq_len, self.dtype, self.vocab_size = seq_len, np.dtype(dtype), vocab_size
+        tokens = [_num_tokens(p, self.dtype) for p in self.paths]
+        # Instances of file k are numbers offsets[k] .. offsets[k+1]-1.
+        self.offsets = np.cumsum([0] + [n // seq_len for n in tokens])
+        if self.offsets[-1] == 0:
+            k = int(np.argmax(tokens))
+            raise DataError(
+                f"seq_len {seq_len} is longer than every token file; the longest, "
+                f"{self.paths[k]}, has {tokens[k]} tokens"
+            )
+        what = f"instances of {seq_len} tokens"
+        super().__init__(int(self.offsets[-1]), global_batch_size, seed, epoch, work_dir, what)
+        if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
+            for p in self.paths:
+                _check_ids(np.fromfile(p, self.dtype, count=4096), vocab_size, p, 0)
+        self.fingerprint = {
+            "files": files_fingerprint(self.paths, self.dtype),
+            "seq_len": seq_len,
+            "dtype": str(self.dtype),
+            "seed": seed,
+            "epoch": epoch,
+            "global_batch_size": global_batch_size,
+        }
+
     def where(self, j: int) -> tuple[str, int]:
         """The file instance j is read from, and the offset of its first token there (in tokens)."""
         if not 0 <= j < self.num_instances:
@@ -342,15 +371,6 @@ class TokenLoader:
         return np.fromfile(path, self.dtype, count=self.seq_len, offset=offset * self.dtype.itemsize).astype(
             np.uint32
         )
-
-    def batch_indices(self, i: int) -> np.ndarray:
-        """The instances of batch i (0-indexed), in the global order."""
-        if not 0 <= i < self.num_batches:
-            raise IndexError(
-                f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
-                f"batches (0..{self.num_batches - 1}) of {self.global_batch_size}"
-            )
-        return self.indices[i * self.global_batch_size : (i + 1) * self.global_batch_size]
 
     def global_batch(self, i: int) -> np.ndarray:
         """Batch i (0-indexed: OLMo-core's step i+1) as uint32[global_batch_size, seq_len]."""
@@ -369,17 +389,6 @@ class TokenLoader:
             path, offset = self.where(int(instances[r]))
             raise bad_id(path, offset + int(t), int(rows[r, t]), self.vocab_size)
         return rows
-
-    def row_ids(self, rank: int, world: int) -> np.ndarray:
-        """Where rank's rows sit in the global batch: OLMo-core's `indices[:, rank::world]`, strided."""
-        if self.global_batch_size % world:
-            raise ValueError(
-                f"global_batch_size {self.global_batch_size} is not divisible by the "
-                f"data-parallel world size {world}"
-            )
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is outside the data-parallel world of size {world}")
-        return np.arange(rank, self.global_batch_size, world)
 
 
 def check_fingerprint(saved: dict, current: dict):
@@ -549,15 +558,16 @@ class PackedInstances:
     the documents (document_spans: EOS-terminated, a longer one cut to seq_len) of each group of
     `group_size` consecutive files packed by pack_best_fit, the groups' instances one after the other;
     each instance right-padded with pad_id, its label mask False on the padding, and its document lengths
-    as OLMo-core's get_document_lengths reads them off the tokens (each EOS ends one; the padding is one more)."""
+    as OLMo-core's get_document_lengths reads them off the tokens (each EOS ends one; the padding is one more).
+    Every file's documents are found once, here: a pass over all the tokens (minutes for a 100B-token mix)."""
 
     def __init__(self, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype, group_size: int = 1):
-        self.seq_len, self.eos_id, self.pad_id = seq_len, eos_id, pad_id
-        self.tokens = [np.memmap(p, np.dtype(dtype), "r") for p in paths]
+        self.paths, self.seq_len, self.eos_id, self.pad_id = list(paths), seq_len, eos_id, pad_id
+        self.dtype = np.dtype(dtype)
         self.spans = []  # per instance: its documents as (file, start, end)
         for first in range(0, len(paths), group_size):
             group = range(first, min(first + group_size, len(paths)))
-            spans = files_document_spans(paths, group, seq_len, eos_id, dtype)
+            spans = files_document_spans(self.paths, group, seq_len, eos_id, dtype)
             for docs in pack_best_fit(spans[:, 2] - spans[:, 1], seq_len):
                 self.spans.append(spans[docs])
 
@@ -566,12 +576,85 @@ class PackedInstances:
 
     def instance(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(token ids [seq_len], label mask [seq_len], document lengths) of instance i."""
-        tokens = np.concatenate([self.tokens[k][start:end] for k, start, end in self.spans[i]])
+        read = lambda k, start, end: np.fromfile(  # one read a document: no file stays open (TokenLoader)
+            self.paths[k], self.dtype, count=end - start, offset=start * self.dtype.itemsize
+        )
+        tokens = np.concatenate([read(*span) for span in self.spans[i]])
         mask = np.arange(self.seq_len) < len(tokens)
         tokens = np.pad(tokens.astype(np.int64), (0, self.seq_len - len(tokens)), constant_values=self.pad_id)
         ends = np.flatnonzero(tokens == self.eos_id) + 1
         ends = ends if tokens[-1] == self.eos_id else np.append(ends, self.seq_len)
         return tokens, mask, np.diff(ends, prepend=0)
+
+    def where(self, i: int, t: int) -> tuple[str, int]:
+        """The file position t of instance i was read from, and its offset there (in tokens)."""
+        for k, start, end in self.spans[i]:
+            if t < end - start:
+                return self.paths[k], int(start) + t
+            t -= end - start
+        raise IndexError(f"position {t} of packed instance {i} is padding")
+
+
+def permuted_files(paths: list[str], seed: int) -> list[str]:
+    """The files in OLMo-core's source_permutation_seed order: Python's random.Random(seed) shuffling their
+    indices."""
+    order = list(range(len(paths)))
+    random.Random(seed).shuffle(order)
+    return [paths[k] for k in order]
+
+
+class PackedLoader(GlobalOrder):
+    """PackedInstances of token files in OLMo-core's global order (stage 3): batch i's rows as (token ids,
+    label mask, each position's document number), the padding one more document."""
+
+    def __init__(
+        self,
+        paths,
+        seq_len: int,
+        global_batch_size: int,
+        *,
+        eos_id: int,
+        pad_id: int,
+        group_size: int,
+        file_seed: int | None = None,
+        seed: int | None = None,
+        epoch: int = 1,
+        dtype=np.uint32,
+        vocab_size: int | None = None,
+        work_dir: str | None = None,
+    ):
+        paths = [os.fspath(p) for p in paths]
+        if not paths:
+            raise DataError("no token files given (an empty mix or path list)")
+        self.paths = paths if file_seed is None else permuted_files(paths, file_seed)
+        self.seq_len, self.vocab_size, self.dtype = seq_len, vocab_size, np.dtype(dtype)
+        self.packed = PackedInstances(self.paths, seq_len, eos_id, pad_id, dtype, group_size)
+        what = f"packed instances of {seq_len} tokens"
+        super().__init__(len(self.packed), global_batch_size, seed, epoch, work_dir, what)
+        self.fingerprint = {
+            "files": files_fingerprint(self.paths, self.dtype),
+            "seq_len": seq_len,
+            "dtype": str(self.dtype),
+            "seed": seed,
+            "epoch": epoch,
+            "global_batch_size": global_batch_size,
+            "packing": dict(group_size=group_size, file_seed=file_seed, eos_id=eos_id, pad_id=pad_id),
+        }
+
+    def global_batch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._rows(self.batch_indices(i))
+
+    def local_batch(self, i: int, rank: int, world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._rows(self.batch_indices(i)[self.row_ids(rank, world)])
+
+    def _rows(self, instances: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tokens, masks, lengths = zip(*(self.packed.instance(int(j)) for j in instances))
+        tokens = np.stack(tokens).astype(np.uint32)
+        if self.vocab_size is not None and (tokens * np.stack(masks)).max() >= self.vocab_size:
+            r, t = np.argwhere((tokens >= self.vocab_size) & np.stack(masks))[0]
+            raise bad_id(*self.packed.where(int(instances[r]), int(t)), int(tokens[r, t]), self.vocab_size)
+        documents = np.stack([np.repeat(np.arange(len(n)), n) for n in lengths]).astype(np.int32)
+        return tokens, np.stack(masks), documents
 
 
 # Downstream tasks: OLMo-core's DownstreamEvaluator scores olmo_eval's tasks (ai2-olmo-eval, the `eval` extra:

@@ -105,6 +105,8 @@ class TrainConfig:
     preset: str = recipe("7b")  # the recipe below, and its model shape (olmo3.PRESETS) unless --model
     model: str = ""  # the model (olmo3.PRESETS) if not the preset's own; a stage-2 preset names stage 1's
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
+    yarn: float = recipe(0.0, low=0)  # YaRN on the full-attention layers only, by this factor (stage 3: 8,
+    # from the model's 8,192 tokens; beta_fast 32, beta_slow 1); the sliding layers keep plain RoPE. 0: none
 
     # data (data_dtype first: below, the field `data` hides the module in this class body)
     data_dtype: str = flag("", choices=("", *data.DATA_DTYPES))  # token files' dtype; default: from the vocab
@@ -119,6 +121,17 @@ class TrainConfig:
     global_batch: int = recipe(512, low=1)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
     seed: int = recipe(34521)  # data order: OLMo-core's PCG64(seed + epoch) permutation
     init_seed: int = recipe(0)  # model init (torch's init cannot be reproduced bit for bit: --init_from_hf)
+    pack_files: int = recipe(0, low=0)  # 0: instances cut from each file's tokens (stages 1 and 2); N:
+    # documents (to each EOS, a longer one cut) packed best-fit into instances within groups of N files, the
+    # padding out of the loss, attention kept within each document (stage 3: OLMo-core's
+    # NumpyPackedFSLDataset with generate_doc_lengths, groups of 8)
+    file_seed: int = recipe(-1, low=-1)  # with --pack_files: the files first shuffled by Python's
+    # random.Random(file_seed) (OLMo-core's source_permutation_seed: 123 in stage 3); -1: in their order
+    positions: str = recipe(
+        "row", choices=("row", "document")
+    )  # RoPE positions of packed rows: 0 ... seq - 1
+    # across the row (the code AI2's long-context models trained with), or from 0 at each document (OLMo-core
+    # since May 2026, its PR #663)
 
     # optimizer: OLMo-core's SkipStepAdamW
     lr: float = recipe(3e-4, above=0)  # peak learning rate
@@ -284,6 +297,43 @@ PRESETS["32b-midtrain-2"] = dataclasses.replace(
     data="OLMo-midtraining-mix-0925-ingredient2-100B.txt",
     run_dir="runs/32b-midtrain-2",
 )
+# Stage 3 (long context) goes on from stage 2's last step, weights and Adam state (`ckpt.py next-stage` or
+# `from-olmo-core`, as OLMo-core's script loads stage2/step47684 with its optimizer state): OLMo-core's
+# OLMo-3-1025-7B-long-context.py. The longmino mix's documents packed into 65,536-token instances (groups of
+# 8 files, the files shuffled with seed 123, attention within each document), 64 a step (4,194,304 tokens),
+# YaRN x8 on the full layers, stage 2's LR literal decaying linearly to 0 after 200 warmup steps. RoPE's
+# positions run across each row, as in the code the released model trained with. The horizon: the script's
+# max_duration, Duration.tokens(5e12), is stage 1's (1,192,093 steps, and its hard_stop stage 1's 597,046), so
+# as written its LR would hardly fall; AI2's released stage 3 is 50B tokens, ceil(5e10 / 4,194,304) = 11,921
+# steps, the preset's horizon and length.
+PRESETS["7b-long-context"] = dataclasses.replace(
+    PRESETS["7b-midtrain"],
+    preset="7b-long-context",
+    yarn=8.0,
+    data="OLMo-longmino-mix-0625.txt",
+    seq_len=65_536,
+    global_batch=64,
+    seed=34521,
+    pack_files=8,
+    file_seed=123,
+    warmup_steps=200,
+    lr_horizon=11_921,
+    steps=11_921,
+    run_dir="runs/7b-long-context",
+)
+# OLMo-core's OLMo-3-1025-32B-long-context.py, from the 32B's stage-1 step 656,000 (its load_path; the
+# released 32B's stage 3 started from the midtraining soup): the 0925 longmino mix, 128 instances a step
+# (8,388,608 tokens) for Duration.tokens(1e11): ceil(1e11 / 2**23) = 11,921 steps; the 32B's instance filter.
+PRESETS["32b-long-context"] = dataclasses.replace(
+    PRESETS["7b-long-context"],
+    preset="32b-long-context",
+    model="32b",
+    data="OLMo-longmino-mix-0925.txt",
+    global_batch=128,
+    lr=0.0002071235285,
+    repeat_filter=32,
+    run_dir="runs/32b-long-context",
+)
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
 
@@ -390,28 +440,34 @@ def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], weigh
     return counted(ce), counted(lse * lse)
 
 
-def targeted(keep: Bool[Array, " batch"], seq: int) -> Bool[Array, "batch seq"]:
-    """The positions the loss counts: all but each instance's last (it has no next token), in the instances
-    the repeat filter keeps."""
-    return keep[:, None] & (jnp.arange(seq) < seq - 1)[None, :]
+def targeted(keep: Bool[Array, " batch"], label_mask: Bool[Array, "batch seq"]) -> Bool[Array, "batch seq"]:
+    """The positions the loss counts, as OLMo-core's get_labels: those whose next token is in the label mask
+    (all but each instance's last, and in packed rows not the padding), in the instances the repeat filter
+    keeps."""
+    return keep[:, None] & jnp.pad(label_mask[:, 1:], ((0, 0), (0, 1)))
 
 
-def row_weights(keep: Bool[Array, " batch"], seq: int, ranks: int) -> Float[Array, " batch"]:
+def row_weights(
+    keep: Bool[Array, " batch"], labels: Int[Array, " batch"], seq: int, ranks: int
+) -> Float[Array, " batch"]:
     """Each row's weight in the loss, as OLMo-core's train module weighs it on `ranks` data-parallel ranks:
-    rank r holds rows r, r + ranks, ... (its loader's stride) and divides their loss by its own count, the
-    targeted positions plus every token of a dropped instance (counted as zero-loss tokens, so each rank
-    weighs the same); the ranks' gradients are averaged. With one rank: one global count."""
-    by_rank = keep.reshape(-1, ranks)  # [i, r]: row i * ranks + r
-    count = by_rank.shape[0] * (seq - 1) + (~by_rank).sum(axis=0)  # ranks
+    rank r holds rows r, r + ranks, ... (its loader's stride) and divides their loss by its own count, each
+    row's `labels` (its targeted positions) plus every token of a dropped instance (counted as zero-loss
+    tokens, so each rank weighs the same); the ranks' gradients are averaged. With one rank: one count."""
+    by_rank = jnp.where(keep, labels, seq).reshape(-1, ranks)  # [i, r]: row i * ranks + r
+    count = by_rank.sum(axis=0)  # ranks
     return jnp.tile(1 / (ranks * count.astype(jnp.float32)), by_rank.shape[0])
 
 
-def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None):
+def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None, label_mask=None, documents=None):
     """The loss over the batch's targeted positions, each row's weighted by `row_weight` (row_weights); aux:
-    its CE and z-loss parts."""
-    x = model.features(tokens, layout)
+    its CE and z-loss parts. Packed rows: `documents` numbers each position's document (attention stays
+    within it), and RoPE's positions run across the row or restart at each document (--positions)."""
+    positions = None if documents is None or cfg.positions == "row" else olmo3.document_positions(documents)
+    x = model.features(tokens, layout, documents, positions)
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
-    weight = jnp.where(targeted(keep, tokens.shape[1]), row_weight[:, None], 0)  # batch seq
+    label_mask = jnp.ones(tokens.shape, bool) if label_mask is None else label_mask
+    weight = jnp.where(targeted(keep, label_mask), row_weight[:, None], 0)  # batch seq
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
             ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=x.dtype), targets, weight)
@@ -429,25 +485,41 @@ def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None):
 
 
 @eqx.filter_jit(donate="all")
-def train_step(model, opt: OptState, batch, lr, *, cfg: TrainConfig, n_micro: int, mesh=None, keep=None):
+def train_step(
+    model,
+    opt: OptState,
+    batch,
+    lr,
+    *,
+    cfg: TrainConfig,
+    n_micro: int,
+    mesh=None,
+    keep=None,
+    label_mask=None,
+    documents=None,
+):
     """One optimizer step on `batch` (rows x seq tokens); `keep` says which rows the repeat filter keeps
-    (None: all). On a mesh (shard.py), the model and optimizer state keep their shardings, and each weight
-    is all-gathered where a layer uses it (shard.Layout)."""
+    (None: all). Packed rows (--pack_files) come with their label mask (False: padding) and each position's
+    document number. On a mesh (shard.py), the model and optimizer state keep their shardings, and each
+    weight is all-gathered where a layer uses it (shard.Layout)."""
     rows, seq = batch.shape
     layout = None if mesh is None else shard.Layout(mesh)
     params = eqx.filter(model, eqx.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     keep = jnp.ones(rows, bool) if keep is None else keep
-    row_weight = row_weights(keep, seq, cfg.dp_ranks)
+    label_mask = jnp.ones((rows, seq), bool) if label_mask is None else label_mask
+    row_weight = row_weights(keep, label_mask[:, 1:].sum(-1), seq, cfg.dp_ranks)
 
     def accumulate(acc, micro):
-        (_, (ce, z)), grads = grad_fn(model, *micro, cfg, layout)
+        tokens, keep, row_weight, label_mask, documents = micro
+        (_, (ce, z)), grads = grad_fn(model, tokens, keep, row_weight, cfg, layout, label_mask, documents)
         return jax.tree.map(jnp.add, acc, (grads, ce, z)), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
     split = lambda a: a.reshape(rows // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1)
     zero = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, (split(batch), split(keep), split(row_weight)))
+    micro = jax.tree.map(split, (batch, keep, row_weight, label_mask, documents))  # documents may be None
+    (grads, ce, z), _ = jax.lax.scan(accumulate, zero, micro)
 
     with jax.named_scope("optimizer"):
         grad_norm = optax.tree.norm(grads)
@@ -514,15 +586,30 @@ def attention_kernel(cfg: TrainConfig, platform: str) -> str:
 
 
 def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
-    """The preset's model (or `base`) in this run's head layout and sequence length."""
+    """The preset's model (or `base`) in this run's head layout, RoPE and sequence length."""
     m = base or olmo3.PRESETS[cfg.model_preset]
     if cfg.head_layout:
         m = m.with_heads(*map(int, cfg.head_layout.split("x")))
+    return extended_context(cfg, m)
+
+
+def extended_context(cfg: TrainConfig, m: olmo3.Olmo3Config) -> olmo3.Olmo3Config:
+    """Model `m` (a preset's, or a checkpoint's) as this run uses it: with YaRN on its full layers (--yarn,
+    once: a model that has it keeps it) and a max_seq_len of at least --seq_len. The weights stay as they are."""
+    if cfg.yarn and m.rope_full.yarn is None:  # extending the context the model has (its max_seq_len)
+        yarn = olmo3.Yarn(factor=cfg.yarn, original_max_position=m.max_seq_len)
+        m = dataclasses.replace(m, rope_full=dataclasses.replace(m.rope_full, yarn=yarn))
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
 
 
 def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
-    return dataclasses.replace(cfg.compute, attention=attention_kernel(cfg, mesh.devices.flat[0].platform))
+    kernel = attention_kernel(cfg, mesh.devices.flat[0].platform)
+    if cfg.pack_files and kernel == "cudnn":
+        raise FlagError(
+            "--pack_files: document masking is not on the cuDNN path yet; expected --attention local, "
+            "reference or splash"
+        )
+    return dataclasses.replace(cfg.compute, attention=kernel)
 
 
 def microbatches(cfg: TrainConfig, mesh, microbatch: int = 0) -> int:
@@ -625,7 +712,7 @@ class Run:
     model_cfg: olmo3.Olmo3Config
     compute: olmo3.Compute
     n_micro: int
-    loader: data.TokenLoader | None  # None: --eval_only without --data
+    loader: data.TokenLoader | data.PackedLoader | None  # None: --eval_only without --data
     eval_sets: list[data.PaddedEvalSet]  # these two empty: nothing to evaluate
     tasks: list[data.DownstreamTask]
     tokenizer_path: str | None
@@ -648,7 +735,7 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
-    loader = None if files is None else data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    loader = None if files is None else make_loader(cfg, model_cfg, files, kw)
     if loader is not None:
         cfg = one_epoch_where_asked(cfg, loader.num_batches)
     eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
@@ -663,6 +750,19 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=fingerprint)
     tasks = downstream_tasks(cfg, model_cfg, tokenizer_path)
     return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tasks, tokenizer_path, meta)
+
+
+def make_loader(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, files: list[str], kw: dict):
+    """Fixed-length instances of the files (stages 1 and 2), or their documents packed (--pack_files, stage 3;
+    padded with the model's pad id, or EOS where it has none: padding is never a label)."""
+    if not cfg.pack_files:
+        return data.TokenLoader(files, cfg.seq_len, cfg.global_batch, **kw)
+    eos = model_cfg.eos_token_id
+    pad = eos if model_cfg.pad_token_id is None else model_cfg.pad_token_id
+    file_seed = None if cfg.file_seed < 0 else cfg.file_seed
+    say(f"packing the documents of {len(files)} files into instances of {cfg.seq_len} tokens ...")
+    packing = dict(eos_id=eos, pad_id=pad, group_size=cfg.pack_files, file_seed=file_seed)
+    return data.PackedLoader(files, cfg.seq_len, cfg.global_batch, **packing, **kw)
 
 
 def downstream_tasks(
@@ -765,6 +865,7 @@ def restore_or_init(run: Run):
         return step, model, state["opt"], jax.random.wrap_key_data(state["key"])
     if cfg.init_from_hf:
         model = ckpt.load_hf(cfg.init_from_hf, shardings=model_sh, compute=run.compute)
+        model = ckpt.with_config(model, run.model_cfg)  # as this run extends it (--yarn, --seq_len)
         say(f"starting from the weights in {cfg.init_from_hf}")
     else:
         init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
@@ -783,24 +884,28 @@ def with_recipe_defaults(meta: dict) -> dict:
 
 def read_batches(run: Run, start: int) -> data.Prefetcher:
     """Batches start, start + 1, ..., each read (ids checked), filtered for repeats, hashed and put on the
-    devices on a thread: (tokens, the rows kept or None, batch hash, instances filtered out)."""
+    devices on a thread: (tokens, what else train_step takes of them, batch hash, instances filtered out):
+    the rows kept (with --repeat_filter), and of packed rows their label mask and documents."""
     cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
     row_ids = run.loader.row_ids(rank, world)
+    put = lambda a: shard.put_batch(a, run.mesh, cfg.global_batch)
 
     def to_devices(rows):
+        rows, label_mask, documents = rows if cfg.pack_files else (rows, None, None)
         kept = ~data.repeated(rows, cfg.repeat_filter) if cfg.repeat_filter else np.ones(len(rows), bool)
-        keep = shard.put_batch(kept, run.mesh, cfg.global_batch) if cfg.repeat_filter else None
-        tokens = shard.put_batch(rows, run.mesh, cfg.global_batch)
-        return tokens, keep, data.batch_hash(rows, row_ids), int((~kept).sum())
+        extras = dict(keep=kept) if cfg.repeat_filter else {}
+        extras |= dict(label_mask=label_mask, documents=documents) if cfg.pack_files else {}
+        extras = {name: put(a) for name, a in extras.items()}
+        return put(rows), extras, data.batch_hash(rows, row_ids), int((~kept).sum())
 
     return data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
 
 
-def take_step(run: Run, step: int, model, opt, batch, keep=None):
-    """Dispatch optimizer step `step` (1, 2, ...); returns at once, the devices work on. The seam tests use
-    to act at a given step."""
+def take_step(run: Run, step: int, model, opt, batch, **extras):
+    """Dispatch optimizer step `step` (1, 2, ...) on `batch` and its `extras` (read_batches); returns at once,
+    the devices work on. The seam tests use to act at a given step."""
     lr = jnp.float32(lr_at(step, run.cfg))
-    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, keep=keep)
+    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **extras)
 
 
 def log_step(
@@ -1014,15 +1119,23 @@ def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: 
     """The train step compiled for the mesh from abstract inputs, nothing allocated; returns it and those
     inputs by name."""
     model, opt = abstract_state(cfg, mesh, model_cfg, compute)
-    batch = jax.ShapeDtypeStruct(
-        (cfg.global_batch, cfg.seq_len), jnp.int32, sharding=shard.batch_sharding(mesh)
+    rows = lambda dtype: jax.ShapeDtypeStruct(
+        (cfg.global_batch, cfg.seq_len), dtype, sharding=shard.batch_sharding(mesh)
     )
+    batch = rows(jnp.int32)
+    packed = dict(label_mask=rows(jnp.bool_), documents=rows(jnp.int32)) if cfg.pack_files else {}
     step = functools.partial(train_step, cfg=cfg, n_micro=n_micro, mesh=mesh)
     compiled = shard.compile_abstract(
-        step, model, opt, batch, jax.ShapeDtypeStruct((), jnp.float32), donate=2
+        lambda model, opt, batch, lr, packed: step(model, opt, batch, lr, **packed),
+        model,
+        opt,
+        batch,
+        jax.ShapeDtypeStruct((), jnp.float32),
+        packed,
+        donate=2,
     )
     params = eqx.filter(model, olmo3.is_array)
-    return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": batch}
+    return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": (batch, packed)}
 
 
 def compile_eval_steps(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int) -> dict:
@@ -1118,8 +1231,8 @@ def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
     try:
         for step in range(start + 1, cfg.steps + 1):
-            _, (batch, keep, batch_hash, filtered), wait = next(batches)
-            model, opt, metrics = take_step(run, step, model, opt, batch, keep)
+            _, (batch, extras, batch_hash, filtered), wait = next(batches)
+            model, opt, metrics = take_step(run, step, model, opt, batch, **extras)
             if pending:  # read the previous step's numbers while this one runs
                 log_step(run, *pending, meter)
             run.checkpoints.check()  # a failed background save stops the run here
@@ -1301,6 +1414,13 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError(f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'")
     if cfg.wandb_run and not cfg.wandb:
         raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
+    if not cfg.pack_files and (cfg.positions != "row" or cfg.file_seed >= 0):
+        named = f"--positions {cfg.positions}" if cfg.positions != "row" else f"--file_seed {cfg.file_seed}"
+        raise FlagError(f"{named}: goes with --pack_files N (documents packed into rows)")
+    if 0 < cfg.yarn <= 1:
+        raise FlagError(
+            f"--yarn {cfg.yarn}: expected a factor above 1 (the context grows by it), or 0 (none)"
+        )
     if cfg.global_batch % cfg.dp_ranks:
         raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
     if cfg.model_preset not in olmo3.PRESETS:
@@ -1313,7 +1433,9 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
     try:  # released weights must be the preset's model
         if cfg.init_from_hf:
-            ckpt.check_hf_model(cfg.init_from_hf, model, cfg.model_preset)
+            ckpt.check_hf_model(
+                cfg.init_from_hf, model, cfg.model_preset, functools.partial(extended_context, cfg)
+            )
     except ValueError as e:
         raise FlagError(str(e)) from None
 

@@ -684,22 +684,27 @@ def test_tokenize_to_a_read_only_or_full_disk_stops_in_one_line(tmp_path, fault)
         assert out.stdout.split("exit=1")[1].split() == [f"{disk}/out"]  # and nothing inside it
 
 
-@pytest.mark.parametrize("group_size", [1, 2])
-def test_packed_instances_are_olmo_cores(tmp_path, group_size):
-    """OLMo-core's NumpyPackedFSLDataset (its stage-3 data: best-fit-decreasing packing, generate_doc_lengths)
-    over files of documents from 1 token to twice the sequence length, many of the same length (the sort's
-    ties), one file ending in a document without its EOS: every instance's tokens, label mask and document
-    lengths equal, in order."""
-    from olmo_core.data import NumpyPackedFSLDataset
-
-    seq, eos, pad, rng = 64, 1, 0, np.random.default_rng(3)
-    paths = []
-    for k, n_docs in enumerate([40, 25, 60, 7, 33]):
+def packed_files(folder, eos, seed=3) -> list[str]:
+    """Files of documents from 1 token to twice 64 (the sequence length below), many of the same length (the
+    sort's ties), one file ending in a document without its EOS."""
+    rng, paths = np.random.default_rng(seed), []
+    for k, n_docs in enumerate([40, 25, 60, 7, 33, 12]):
         lengths = rng.choice([1, 2, 5, 16, 16, 31, 32, 33, 40, 63, 64, 65, 128], n_docs)
         docs = [np.append(rng.integers(2, 500, n - 1), eos) for n in lengths]
         tokens = np.concatenate(docs + ([rng.integers(2, 500, 9)] if k == 3 else [])).astype(np.uint16)
-        paths.append(str(tmp_path / f"{k}.npy"))
+        paths.append(str(folder / f"{k}.npy"))
         tokens.tofile(paths[-1])
+    return paths
+
+
+@pytest.mark.parametrize("group_size", [1, 2])
+def test_packed_instances_are_olmo_cores(tmp_path, group_size):
+    """OLMo-core's NumpyPackedFSLDataset (its stage-3 data: best-fit-decreasing packing, generate_doc_lengths):
+    every instance's tokens, label mask and document lengths equal, in order."""
+    from olmo_core.data import NumpyPackedFSLDataset
+
+    seq, eos, pad = 64, 1, 0
+    paths = packed_files(tmp_path, eos)
     ref = NumpyPackedFSLDataset(
         *paths,
         sequence_length=seq,
@@ -721,20 +726,48 @@ def test_packed_instances_are_olmo_cores(tmp_path, group_size):
         np.testing.assert_array_equal(mask, want["label_mask"].numpy())
         np.testing.assert_array_equal(doc_lens, want["doc_lens"].numpy())
     assert sum(int(m.sum()) for m in (ours.instance(i)[1] for i in range(len(ours)))) > 0.9 * len(ours) * seq
-    # The global order: OLMo-core's loader over the packed instances is data.global_indices, as for stage 1.
-    from olmo_core.data import DataCollator, NumpyFSLDataLoader
 
-    batch, seed = 4, 34521
-    loader = NumpyFSLDataLoader(
-        ref,
-        collator=DataCollator(pad_token_id=pad),
+
+def test_packed_loader_is_olmo_cores(tmp_path):
+    """Stage 3's data as OLMo-core's script builds it (NumpyPackedFSLDatasetConfig with source_group_size and
+    source_permutation_seed, NumpyFSLDataLoader) on two data-parallel ranks: each rank's batches, their label
+    masks and their documents (from the collated doc_lens) equal data.PackedLoader's, batch by batch."""
+    from olmo_core.data import DataCollator, NumpyFSLDataLoader, NumpyPackedFSLDatasetConfig, TokenizerConfig
+
+    seq, eos, pad, batch, seed, world = 64, 1, 0, 4, 34521, 2
+    paths = packed_files(tmp_path, eos)
+    tokenizer = TokenizerConfig(vocab_size=500, eos_token_id=eos, pad_token_id=pad)
+    config = NumpyPackedFSLDatasetConfig(
+        paths=paths,
+        tokenizer=tokenizer,
+        sequence_length=seq,
+        generate_doc_lengths=True,
+        source_group_size=2,
+        source_permutation_seed=123,
         work_dir=str(tmp_path / "work"),
-        global_batch_size=batch * seq,
-        seed=seed,
     )
-    loader.reshuffle(epoch=1)
-    order = data.global_indices(len(ours), seed, 1)
-    for i, got in enumerate(loader):
-        want = [ours.instance(j)[0] for j in order[i * batch : (i + 1) * batch]]
-        np.testing.assert_array_equal(got["input_ids"].numpy(), want)
-    assert i + 1 == len(ours) // batch
+    ref = config.build()
+    ref.prepare()
+    ours = data.PackedLoader(
+        paths, seq, batch, eos_id=eos, pad_id=pad, group_size=2, file_seed=123, seed=seed, dtype=np.uint16
+    )
+    assert ours.paths != paths and sorted(ours.paths) == sorted(paths)  # the files were shuffled
+    assert ours.num_batches == len(ref) // batch > 15
+    for rank in range(world):
+        loader = NumpyFSLDataLoader(
+            ref,
+            collator=DataCollator(pad_token_id=pad),
+            work_dir=str(tmp_path / "work"),
+            global_batch_size=batch * seq,
+            seed=seed,
+            dp_world_size=world,
+            dp_rank=rank,
+        )
+        loader.reshuffle(epoch=1)
+        for i, got in enumerate(loader):
+            tokens, mask, documents = ours.local_batch(i, rank, world)
+            np.testing.assert_array_equal(tokens, got["input_ids"].numpy())
+            np.testing.assert_array_equal(mask, got["label_mask"].numpy())
+            lengths = [n[n > 0] for n in got["doc_lens"].numpy()]  # collated: padded with zeros
+            np.testing.assert_array_equal(documents, [np.repeat(np.arange(len(n)), n) for n in lengths])
+        assert i + 1 == ours.num_batches

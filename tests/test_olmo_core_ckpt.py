@@ -78,7 +78,7 @@ def olmo_core_layout(tree, cfg) -> dict[str, np.ndarray]:
 def restore(run_dir, recipe):
     """The run directory's newest checkpoint restored as train.py's restore_or_init restores it: into the
     recipe's abstract state on a mesh, refused by check_resume if it were of another model."""
-    cfg = olmo3.PRESETS[recipe.model_preset]
+    cfg = train.model_config(recipe)
     mesh = shard.make_mesh("fsdp=2")
     model_like, opt_like = train.abstract_state(recipe, mesh, cfg, olmo3.Compute())
     key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))

@@ -197,7 +197,7 @@ def test_lm_head_loss_and_gradients_match_olmo_core(path, chunk):
 
     def loss(x, w):
         targets = jnp.roll(jnp.asarray(tokens), -1, axis=-1)
-        mask = train.targeted(jnp.ones(batch, bool), seq)
+        mask = train.targeted(jnp.ones(batch, bool), jnp.ones((batch, seq), bool))
         if path == "fused":
             scale = jnp.float32(1 / n)
             total, (ce, zz) = olmo3.fused_lm_head(
@@ -231,7 +231,10 @@ def test_bf16_logits_as_olmo_core_s_lm_head_makes_them_under_its_bf16_policy(pat
     x = jnp.asarray(rng.standard_normal((batch, seq, d)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((d, vocab)) / 8, jnp.bfloat16)
     tokens = rng.integers(0, vocab, (batch, seq))
-    targets, mask = jnp.roll(jnp.asarray(tokens), -1, axis=-1), train.targeted(jnp.ones(batch, bool), seq)
+    targets, mask = (
+        jnp.roll(jnp.asarray(tokens), -1, axis=-1),
+        train.targeted(jnp.ones(batch, bool), jnp.ones((batch, seq), bool)),
+    )
     as_torch = lambda a: torch.as_tensor(np.asarray(a.astype(jnp.float32))).bfloat16()
     logits = (as_torch(x) @ as_torch(w)).view(-1, vocab)  # bf16, as F.linear with bf16 parameters
     labels = torch.as_tensor(np.where(np.asarray(mask), np.asarray(targets), -100)).long().view(-1)

@@ -1,0 +1,183 @@
+"""Stage 3 (long context): the packed step's loss and gradients against transformers' Olmo3 running each
+document alone (what document masking means), YaRN and its placement against OLMo-core, the presets, a stage-2
+run carried into stage 3, and the bad input it refuses."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_models import FULL, make_hf
+from test_olmo_core_ckpt import restore
+from test_stages import SMALL, arrays, small_recipe, stage1_run  # noqa: F401 (a fixture)
+
+import ckpt
+import olmo3
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+YARN = {"factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def packed_rows(vocab: int, seq: int, eos: int, pad: int):
+    """Two packed rows as data.PackedLoader gives them: (tokens, label mask, documents, each row's document
+    lengths with the padding's last)."""
+    rng = np.random.default_rng(0)
+    lengths = [[11, 17, 5, 9, 6], [30, 14, 4]]  # each row's last entry is its padding
+    tokens, documents = np.full((2, seq), pad), np.zeros((2, seq), np.int32)
+    for r, row in enumerate(lengths):
+        start = 0
+        for d, n in enumerate(row):
+            if d < len(row) - 1:
+                tokens[r, start : start + n] = np.append(rng.integers(2, vocab, n - 1), eos)
+            documents[r, start : start + n] = d
+            start += n
+    mask = np.ones((2, seq), bool)
+    for r, row in enumerate(lengths):
+        mask[r, seq - row[-1] :] = False
+    return tokens, mask, documents, lengths
+
+
+def transformers_loss_and_grads(hf, tokens, mask, lengths, positions: str, z_loss: float):
+    """OLMo-core's loss (get_labels with the label mask, cross_entropy_loss with z-loss, over the batch's
+    labels) of logits made by transformers running each document of a row alone, at its positions in the row
+    or from 0: exactly what document masking computes. Returns the loss and {HF name: gradient}."""
+    from olmo_core.data.utils import get_labels
+    from olmo_core.nn.functional import cross_entropy_loss
+
+    hf.zero_grad()
+    rows = []
+    for r, row in enumerate(lengths):
+        parts, start = [], 0
+        for n in row[:-1]:
+            ids = torch.as_tensor(tokens[r, start : start + n])[None]
+            where = torch.arange(start, start + n) if positions == "row" else torch.arange(n)
+            parts.append(hf(input_ids=ids, position_ids=where[None]).logits[0])
+            start += n
+        parts.append(torch.zeros(row[-1], hf.config.vocab_size))  # the padding: never a label's position
+        rows.append(torch.cat(parts))
+    # OLMo-core's LM head spans the vocabulary padded to a multiple of 128 (as ours); these rows are zero.
+    logits = torch.nn.functional.pad(torch.stack(rows), (0, -hf.config.vocab_size % 128))
+    batch = {"input_ids": torch.as_tensor(tokens), "label_mask": torch.as_tensor(mask)}
+    labels = get_labels(batch)
+    n = (labels != -100).sum()
+    ce, z = cross_entropy_loss(
+        logits.view(-1, logits.shape[-1]),
+        labels.view(-1),
+        reduction="sum",
+        compute_z_loss=True,
+        z_loss_multiplier=z_loss,
+    )
+    loss = (ce + z) / n
+    loss.backward()
+    return loss.item(), {name: p.grad.numpy() for name, p in hf.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "positions, attention", [("row", "reference"), ("document", "reference"), ("row", "local")]
+)
+def test_packed_loss_and_gradients_are_transformers_on_each_document_alone(tmp_path, positions, attention):
+    """A packed batch through train.loss_fn (documents masked, YaRN on the full layers, the padding out of the
+    loss): the loss and every parameter's gradient equal transformers' on each document alone, weighed as
+    OLMo-core's train module weighs the labels."""
+    vocab, seq, eos, pad = 300, 48, 1, 0
+    hf = make_hf(tmp_path, vocab=vocab, window=8, yarn=YARN)
+    hf.train()  # no dropout in Olmo3; gradients on
+    model = ckpt.load_hf(tmp_path).using(olmo3.Compute(attention=attention))
+    assert model.cfg.rope_full.yarn is not None and model.cfg.rope_sliding.yarn is None
+    tokens, mask, documents, lengths = packed_rows(vocab, seq, eos, pad)
+    cfg = dataclasses.replace(train.PRESETS["tiny"], positions=positions, z_loss=1e-2, pack_files=1)
+    keep = jnp.ones(2, bool)
+    row_weight = train.row_weights(keep, jnp.asarray(mask[:, 1:].sum(-1)), seq, 1)
+    loss = lambda m: train.loss_fn(
+        m, jnp.asarray(tokens), keep, row_weight, cfg, None, jnp.asarray(mask), jnp.asarray(documents)
+    )
+    (ours, _), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model)
+    want, want_grads = transformers_loss_and_grads(hf, tokens, mask, lengths, positions, cfg.z_loss)
+    assert float(ours) == pytest.approx(want, rel=2e-6)
+    # transformers' LM head has no padding rows (their logits, zero here, still take a share of the softmax)
+    grads = eqx.tree_at(lambda g: g.lm_head, grads, grads.lm_head.at[:, vocab:].set(0))
+    theirs = ckpt.assemble(
+        eqx.filter(grads, eqx.is_array),
+        ckpt.hf_names(model.cfg),
+        lambda name, _: want_grads[name],
+        model.cfg.vocab_size,
+    )
+    for path, a, b in zip(jax.tree.leaves_with_path(grads), arrays(grads), arrays(theirs), strict=True):
+        scale = np.abs(b).max()
+        assert scale > 0 and np.abs(a - b).max() <= 2e-5 * scale, jax.tree_util.keystr(path[0])
+
+
+def test_yarn_is_olmo_core_s_and_on_its_full_layers_only():
+    """The 7B stage-3 model (train.model_config of the preset): YaRN's frequencies and attention factor as
+    OLMo-core's YaRNRoPEScalingConfig computes them, on the layers OLMo-core's with_rope_scaling gives it
+    (those without a sliding window), the sliding layers' RoPE untouched."""
+    from olmo_core.nn.rope import YaRNRoPEScalingConfig
+    from olmo_core.nn.transformer import TransformerConfig
+
+    m = train.model_config(train.PRESETS["7b-long-context"])
+    assert m.max_seq_len == 65_536 and m.rope_sliding == olmo3.PRESETS["7b"].rope_sliding
+    scaling = YaRNRoPEScalingConfig(factor=8, beta_fast=32, beta_slow=1, old_context_len=8192)
+    want, want_scale = scaling.compute_scaled_inv_freq(500_000, 128, torch.device("cpu"))
+    ours, scale = olmo3.rope_frequencies(m.rope_full, m.head_dim)
+    np.testing.assert_allclose(ours, want.numpy(), rtol=1e-6)
+    assert scale == pytest.approx(want_scale, rel=1e-12)
+    reference = TransformerConfig.olmo3_7B(vocab_size=100_352).with_rope_scaling(scaling)
+    scaled = sorted(i for i, b in (reference.block_overrides or {}).items() if b.sequence_mixer.rope.scaling)
+    assert scaled == [i for i, t in enumerate(m.layer_types) if t == FULL]
+
+
+def test_stage3_presets_are_the_scripts():
+    """What OLMo-core's OLMo-3-1025-7B-long-context.py and the 32B's set, and the horizon the 7B's released
+    stage 3 implies (the script's max_duration is stage 1's)."""
+    seven, big = train.PRESETS["7b-long-context"], train.PRESETS["32b-long-context"]
+    assert (seven.seq_len, seven.global_batch, seven.seq_len * seven.global_batch) == (65_536, 64, 4_194_304)
+    assert (seven.pack_files, seven.file_seed, seven.seed, seven.positions) == (8, 123, 34521, "row")
+    assert (seven.schedule, seven.warmup_steps, seven.lr_final, seven.yarn) == ("linear", 200, 0.0, 8.0)
+    assert seven.lr_horizon == seven.steps == -(-50_000_000_000 // 4_194_304)
+    assert train.lr_at(200, seven) == seven.lr and train.lr_at(seven.steps, seven) == 0.0
+    assert (big.model, big.global_batch, big.repeat_filter) == ("32b", 128, 32)
+    assert big.lr_horizon == -(-100_000_000_000 // (128 * 65_536))
+
+
+def test_a_stage2_run_goes_on_into_stage3_with_yarn_and_the_longer_context(small_recipe, tmp_path):  # noqa: F811
+    """`ckpt.py next-stage` from a stage-2 run into a stage-3 recipe: the same weights and Adam state, now a
+    model with YaRN on its full layers and the stage's context, which the stage-3 run restores."""
+    stage1, _ = small_recipe
+    stage3 = dataclasses.replace(train.PRESETS["7b-long-context"], model="small", seq_len=1024, skip_window=8)
+    model, opt = stage1_run(tmp_path / "stage2", stage1, seed=0)
+    ckpt.next_stage(tmp_path / "stage2", tmp_path / "stage3", stage3)
+    step, got, state, _ = restore(tmp_path / "stage3", stage3)
+    assert step == 0 and got.cfg == train.model_config(stage3) and got.cfg.rope_full.yarn.factor == 8.0
+    assert got.cfg.rope_full.yarn.original_max_position == SMALL.max_seq_len
+    for want, have in [(model, got), (opt.mu, state["opt"].mu)]:
+        for a, b in zip(arrays(want), arrays(have), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--positions", "document"], "--positions document: goes with --pack_files N"),
+        (["--file_seed", "123"], "--file_seed 123: goes with --pack_files N"),
+        (["--yarn", "0.5"], "--yarn 0.5: expected a factor above 1"),
+        (["--pack_files", "8", "--attention", "cudnn"], "--pack_files: document masking is not on the cuDNN"),
+    ],
+)
+def test_bad_stage3_flags_are_one_line(tmp_path, flags, message):
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--preset", "tiny", "--run_dir", str(tmp_path / "run"), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
+    assert not (tmp_path / "run").exists()
