@@ -301,11 +301,23 @@ def apply_rope(
     return (x32 * cos.reshape(per_head) + rotated * sin.reshape(per_head)).astype(x.dtype)
 
 
-def causal_mask(seq_len: int, window: int | None) -> Bool[Array, "seq seq"]:
-    """True where query s may see key t: t <= s, and s - t < window on sliding layers."""
-    s = jnp.arange(seq_len)[:, None]
-    t = jnp.arange(seq_len)[None, :]
-    return (t <= s) & (s - t < window) if window else t <= s
+def balanced_order(seq: int, context: int) -> np.ndarray:
+    """The row's positions in the order a context axis of `context` devices holds them, an equal run each: the
+    row cut into 2 x context chunks, device i holding chunk i and chunk 2 context - 1 - i. Under a causal mask
+    a query's work grows with its position, so each device gets one early and one late chunk, the same work
+    (Llama 3's split, OLMo-core's llama3 context parallelism). With one device: 0 ... seq - 1."""
+    if context == 1:
+        return np.arange(seq)
+    chunks = np.arange(seq).reshape(2 * context, seq // (2 * context))
+    return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(context)])
+
+
+def causal_mask(seq_len: int, window: int | None, context: int = 1) -> Bool[Array, "seq seq"]:
+    """True where query s may see key t: t <= s, and s - t < window on sliding layers; s and t are the
+    positions held in the balanced order of `context` devices (balanced_order)."""
+    position = balanced_order(seq_len, context)
+    s, t = position[:, None], position[None, :]
+    return jnp.asarray((t <= s) & (s - t < window) if window else t <= s)
 
 
 def masked_softmax(
@@ -323,12 +335,18 @@ def attention(
     impl: str = "reference",
     layout=None,
     documents: Int[Array, "*batch seq"] | None = None,
+    context: int = 1,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal (optionally sliding-window) softmax attention with grouped kv heads. `layout` (shard.Layout)
     runs the Splash kernel on each device's shard; the other paths XLA partitions by itself. `documents`
     (packed rows: each position's document number) keeps each query to the keys of its own document, as
-    OLMo-core's document masking does (its doc_lens)."""
+    OLMo-core's document masking does (its doc_lens). `context` > 1: q, k and v hold the row's positions in
+    the balanced order of a context axis of that many devices (balanced_order), and the mask follows them."""
     *batch, seq, n_heads, head_dim = q.shape
+    if context > 1 and impl in ("cudnn", "splash"):
+        raise ValueError(
+            f"Compute.attention {impl!r} does not run with a context axis yet; expected reference or local"
+        )
     if impl == "cudnn":
         if documents is not None:
             raise ValueError(
@@ -348,14 +366,17 @@ def attention(
             implementation="cudnn",
             local_window_size=(window - 1, 0) if window else None,
         )
-    if impl == "local" and window and seq > window and seq % window == 0:
-        return _local_attention(q, k, v, window, documents)
+    chunk = seq if context == 1 else seq // (2 * context)  # the runs of consecutive positions
+    if impl == "local" and window and seq > window and chunk % window == 0:
+        return _local_attention(q, k, v, window, documents, context)
     if impl == "splash":
         return _splash_attention(q, k, v, window, layout, documents)
+    if context > 1:  # each device's queries against every key of the row (what a full layer needs)
+        k, v = (layout.constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
     n_kv = k.shape[-2]
     qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
     scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
-    mask = causal_mask(seq, window).reshape((1,) * len(batch) + (seq, seq))
+    mask = causal_mask(seq, window, context).reshape((1,) * len(batch) + (seq, seq))
     if documents is not None:
         mask = mask & (documents[..., :, None] == documents[..., None, :])
     mask = mask.reshape((*mask.shape[:-2], 1, 1, seq, seq))  # batch kv_heads group seq seq
@@ -369,32 +390,55 @@ def _local_attention(
     v: Float[Array, "*batch seq kv_heads head_dim"],
     window: int,
     documents: Int[Array, "*batch seq"] | None = None,
+    context: int = 1,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     # Sliding-window attention in blocks of `window` queries, each against its own block of keys and the
-    # one before: exactly the keys the window can reach, so the same softmax as the reference without the
-    # "seq seq" scores, of which all but ~2 * window per query are masked to an exact zero anyway.
+    # one before it in the row: exactly the keys the window can reach, so the same softmax as the reference
+    # without the "seq seq" scores, of which all but ~2 * window per query are masked to an exact zero anyway.
+    # Split over a context axis (balanced order), a device needs one block from each neighbour
+    # (_blocks_before), never the whole row.
     # Shapes after `*batch`: q_blocks "blocks window kv_heads group head_dim", k_blocks and v_blocks
     # "blocks window kv_heads head_dim", k_reach and v_reach "blocks keys kv_heads head_dim" (2 * window
     # keys: the block before, then this one), scores and probs "blocks kv_heads group window keys".
     *batch, seq, n_heads, head_dim = q.shape
     n_kv, n_blocks = k.shape[-2], seq // window
+    position = balanced_order(seq, context).reshape(n_blocks, window)
     q_blocks = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
-    earlier = lambda x: jnp.concatenate([jnp.zeros_like(x[..., :1, :, :, :]), x[..., :-1, :, :, :]], axis=-4)
     k_blocks, v_blocks = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
-    k_reach, v_reach = (jnp.concatenate([earlier(x), x], axis=-3) for x in (k_blocks, v_blocks))
+    reach = lambda x, axis: jnp.concatenate([_blocks_before(x, axis, context, jnp), x], axis=axis + 1)
+    k_reach, v_reach = reach(k_blocks, -4), reach(v_blocks, -4)
     scores = jnp.einsum("...iskgh,...itkh->...ikgst", q_blocks, k_reach, preferred_element_type=jnp.float32)
-    s = jnp.arange(window)[None, :, None] + window  # query and key positions in (previous block, this block)
-    t = jnp.arange(2 * window)[None, None, :]
-    first = jnp.arange(n_blocks)[:, None, None] == 0  # the first block has no previous one
-    mask = (t <= s) & (s - t < window) & ~(first & (t < window))
-    mask = mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window))
+    s = position[:, :, None]  # the queries' and the reach's keys' positions in the row
+    t = np.concatenate([_blocks_before(position, 0, context, np), position], axis=1)[:, None, :]
+    first = (position[:, :1, None] == 0) & (np.arange(2 * window) < window)  # the row's first block has none
+    mask = (t <= s) & (s - t < window) & ~first
+    mask = jnp.asarray(mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window)))
     if documents is not None:  # each block's queries' documents against its reach's keys'
         d_blocks = documents.reshape(*batch, n_blocks, window)
-        d_reach = jnp.concatenate([jnp.roll(d_blocks, 1, axis=-2), d_blocks], axis=-1)  # block 0's: masked
+        d_reach = reach(d_blocks, -2)
         mask = mask & (d_blocks[..., :, None] == d_reach[..., None, :])[..., :, None, None, :, :]
     probs = masked_softmax(scores * head_dim**-0.5, mask).astype(v.dtype)
     out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v_reach)
     return out.reshape(*batch, seq, n_heads, head_dim)
+
+
+def _blocks_before(x, axis: int, context: int, xp):
+    """Each block of `x` (blocks along `axis`, in the balanced order of `context` devices) replaced by the
+    block before it in the row; the row's first block by another (the caller masks it). numpy (xp=np) or
+    jax.numpy alike. The blocks come as each device's two chunks: inside a chunk the block before is the
+    chunk's own previous one; chunk i's first block needs chunk i - 1's last (device i - 1's first chunk's),
+    chunk 2n - 1 - i's needs chunk 2n - 2 - i's last (device i + 1's second chunk's; on the last device its
+    own first chunk's). So each device takes one block from each neighbour: shifts along the devices' axis,
+    which XLA sends as collective permutes."""
+    x = xp.moveaxis(x, axis, 0)
+    if context == 1:  # the row in its order: the block before is the previous one
+        return xp.moveaxis(xp.concatenate([x[:1], x[:-1]]), 0, axis)
+    y = x.reshape(context, 2, -1, *x.shape[1:])  # device, its two chunks, their blocks
+    last = y[:, :, -1]  # each chunk's last block
+    first_chunks = xp.concatenate([last[:1, 0], last[:-1, 0]])  # device 0's: the row's first block
+    second_chunks = xp.concatenate([last[1:, 1], last[-1:, 0]])
+    edges = xp.stack([first_chunks, second_chunks], axis=1)[:, :, None]
+    return xp.moveaxis(xp.concatenate([edges, y[:, :, :-1]], axis=2).reshape(x.shape), 0, axis)
 
 
 def _splash_attention(q, k, v, window, layout, documents=None):
@@ -414,8 +458,9 @@ def _splash_attention(q, k, v, window, layout, documents=None):
     args = [qg, k, v] + ([] if documents is None else [documents.astype(jnp.int32)])
     if layout is not None:
         lead = ("batch",) + (None,) * (len(batch) - 1) if batch else ()
-        axes = [lead + ("seq", "kv_heads", None, "head_dim")] + [lead + ("seq", "kv_heads", "head_dim")] * 2
-        kernel = layout.per_shard(kernel, axes + ([lead + ("seq",)] if documents is not None else []))
+        # Whole rows on each device (the kernel masks by position in the row): seq is left unsplit.
+        axes = [lead + (None, "kv_heads", None, "head_dim")] + [lead + (None, "kv_heads", "head_dim")] * 2
+        kernel = layout.per_shard(kernel, axes + ([lead + (None,)] if documents is not None else []))
     return kernel(*args).reshape(q.shape)
 
 
@@ -596,13 +641,28 @@ class Olmo3(eqx.Module):
                 f"expected one of {', '.join(ATTENTION_KERNELS)}"
             )
         model = self.as_used(layout)
+        seq = tokens.shape[-1]
+        # A context axis (shard.py) splits each row's positions over devices in a balanced order: the row is
+        # put in that order here, every layer works on it (attention masks by the positions the order says),
+        # and the hidden states go back to the row's order at the end.
+        context = layout.context(seq) if layout is not None else 1
+        if context > 1:
+            order = balanced_order(seq, context)
+            positions = jnp.broadcast_to(jnp.arange(seq), tokens.shape) if positions is None else positions
+            tokens, documents, positions = (
+                a if a is None else a[..., order] for a in (tokens, documents, positions)
+            )
         x = model.embed_tokens[tokens]
-        attend = functools.partial(attention, impl=compute.attention, layout=layout, documents=documents)
+        if context > 1:
+            x = layout.constrain(x, ("batch", "seq", None))
+        attend = functools.partial(
+            attention, impl=compute.attention, layout=layout, documents=documents, context=context
+        )
 
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
         # compiled program holds one group whatever the depth, and each layer's window is static.
         types = cfg.layer_types[: cfg.period]
-        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, tokens.shape[-1], positions) for t in set(types)}
+        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in set(types)}
         groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), model.layers)
 
         def group(x, blocks):
@@ -615,7 +675,17 @@ class Olmo3(eqx.Module):
         if compute.remat != "none":
             group = jax.checkpoint(group, policy=REMAT_POLICIES[compute.remat])
         x, _ = jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)
-        return rms_norm(x, model.norm, cfg.norm_eps)
+        x = rms_norm(x, model.norm, cfg.norm_eps)
+        return x if context == 1 else _row_order(x, context)
+
+
+def _row_order(x: Float[Array, "*batch seq embed"], context: int) -> Float[Array, "*batch seq embed"]:
+    """Hidden states held in balanced_order(seq, context) back in the row's order: the devices' first chunks
+    in turn, then their second chunks in reverse (slices and a reversal XLA sends as collective permutes,
+    where an index gather would all-reduce the whole row)."""
+    *batch, seq, d = x.shape
+    y = x.reshape(*batch, context, 2, seq // (2 * context), d)
+    return jnp.concatenate([y[..., 0, :, :], y[..., ::-1, 1, :, :]], axis=-3).reshape(x.shape)
 
 
 def abstract(cfg: Olmo3Config, compute: Compute = Compute()) -> Olmo3:

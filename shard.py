@@ -1,10 +1,14 @@
 """Sharding: the mesh, logical-axis rules, parameter and batch shardings, and the multi-host start.
 
 olmo3.py names every dimension in its jaxtyping annotations (embed, heads, mlp, ...). Here one table maps
-those logical names onto three mesh axes, as MaxText and jax-llm-examples do:
-    data    pure data parallelism: parameters replicated, the batch split
-    fsdp    data parallelism with parameters and optimizer state split too (ZeRO-3)
-    tensor  Megatron-style tensor parallelism: heads and the MLP's hidden units split
+those logical names onto four mesh axes, as MaxText and jax-llm-examples do:
+    data     pure data parallelism: parameters replicated, the batch split
+    fsdp     data parallelism with parameters and optimizer state split too (ZeRO-3)
+    context  context parallelism: each row's positions split, balanced for causal work (olmo3.balanced_order)
+    tensor   Megatron-style tensor parallelism: heads and the MLP's hidden units split
+The axes compose: a row's positions are split over context within each (data, fsdp) group of rows, its
+heads over tensor; weights are split over fsdp and tensor only (a context group all-gathers them as the data
+axes do), so context parallelism costs no weight memory, only the keys and values each layer gathers.
 Sharding never changes the maths, only where it runs: tests/test_shard.py checks every layout against the
 single-device run.
 """
@@ -28,7 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 from olmo3 import is_array
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = (
+    "data",
+    "fsdp",
+    "context",
+    "tensor",
+)  # outer to inner: tensor, then context, on the fastest links
 
 # Logical axis -> mesh axes (None: replicated). Parameters shard `embed` over fsdp (FSDP), and heads,
 # kv_heads, mlp and vocab over tensor (Megatron: column-parallel in, row-parallel out). The batch spans data
@@ -39,7 +48,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # tests/test_shard.py) cannot be written with it.
 RULES: dict[str, tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
-    "seq": None,
+    "seq": ("context",),  # activations only (no weight has a sequence axis): olmo3 asks via Layout
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -52,14 +61,14 @@ RULES: dict[str, tuple[str, ...] | None] = {
 
 
 def parse_mesh(spec: str, n_devices: int | None) -> dict[str, int]:
-    """`data=2,fsdp=4,tensor=1` -> axis sizes; one size may be -1 ("the rest"); unnamed axes are 1. With
+    """`data=2,fsdp=4,context=1,tensor=1` -> axis sizes; one size may be -1 ("the rest"); unnamed axes are 1. With
     n_devices None, only the syntax is checked (-1 stays)."""
     sizes, named = dict.fromkeys(MESH_AXES, 1), set()
     for part in filter(None, spec.replace(" ", "").split(",")):
         name, _, value = part.partition("=")
         if name not in sizes or name in named or not (value.isdigit() and int(value) > 0 or value == "-1"):
             raise ValueError(
-                f"--mesh {spec!r}: expected entries like data=2,fsdp=-1,tensor=1, each of "
+                f"--mesh {spec!r}: expected entries like data=2,fsdp=-1,context=1,tensor=1, each of "
                 f"{', '.join(MESH_AXES)} at most once, sizes >= 1 or -1 (the rest); "
                 f"got {part!r}"
             )
@@ -85,9 +94,9 @@ def parse_mesh(spec: str, n_devices: int | None) -> dict[str, int]:
 
 
 def device_grid(sizes: dict[str, int], devices) -> np.ndarray:
-    """The devices as a (data, fsdp, tensor) array, in the order JAX's mesh utilities choose: along the
-    chips' torus on TPUs; by id on GPUs, which JAX numbers host after host, so that the inner axes (tensor,
-    then fsdp) stay within a host wherever they fit.
+    """The devices as a (data, fsdp, context, tensor) array, in the order JAX's mesh utilities choose: along
+    the chips' torus on TPUs; by id on GPUs, which JAX numbers host after host, so that the inner axes
+    (tensor, then context, then fsdp) stay within a host wherever they fit.
 
     Several slices (TPU slices, or GPU partitions: JAX_PARTITION_INDEX) are joined by the slower data-centre
     network (DCN): the slice boundary goes on the outermost axis that divides by the number of slices
@@ -101,13 +110,13 @@ def device_grid(sizes: dict[str, int], devices) -> np.ndarray:
     axis = next((i for i, s in enumerate(shape[:2]) if s % slices == 0), None)
     if axis is None:
         raise ValueError(f"mesh {sizes}: the {slices} slices must divide the data or the fsdp axis")
-    dcn = tuple(slices if i == axis else 1 for i in range(3))
+    dcn = tuple(slices if i == axis else 1 for i in range(len(shape)))
     ici = tuple(s // d for s, d in zip(shape, dcn))
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
 
 
 def make_mesh(spec: str, devices=None) -> Mesh:
-    """The (data, fsdp, tensor) mesh that --mesh describes, over all devices of all processes.
+    """The (data, fsdp, context, tensor) mesh that --mesh describes, over all devices of all processes.
 
     On one process a mesh may use fewer devices than there are (e.g. the tiny preset's data=1 on a machine
     with several): it takes the first ones.
@@ -123,7 +132,7 @@ def make_mesh(spec: str, devices=None) -> Mesh:
         devices = devices[: math.prod(sizes.values())]
     # Auto axes: the compiler propagates shardings from the inputs and from gather()'s constraints. Stated,
     # since jax.make_mesh now defaults to Explicit.
-    return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -511,6 +520,16 @@ class Layout:
 
     def gather(self, tree):
         return gather(tree, self.mesh)
+
+    def context(self, seq: int) -> int:
+        """Over how many devices a row of `seq` positions is split (olmo3.balanced_order): the context axis's,
+        or 1 for a length it does not split (an evaluation batch of another length runs whole on each)."""
+        n = self.mesh.shape["context"]
+        return n if seq % (2 * n) == 0 else 1
+
+    def constrain(self, x, axes: tuple):
+        """`x` laid out as RULES lay out its logical `axes` (None: whole), a layout XLA then keeps."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec(axes, x.shape, self.mesh)))
 
     def per_shard(self, fn, in_axes: list[tuple]):
         """`fn` run on each device's own shard of its arguments (jax.shard_map): for a kernel XLA cannot

@@ -156,7 +156,7 @@ def test_dry_run_prints_the_memory_table_per_device(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     table = out.stdout[out.stdout.index("dry run:") :]
     assert (
-        "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per"
+        "tiny on 8 devices, mesh {'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1}, 1 microbatch(es) of 1 rows x 256 per"
         in table
     )
     rows = memory_rows(table)
@@ -202,7 +202,8 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     assert out.stderr.strip() == "", out.stderr[-3000:]  # no TPU_ACCELERATOR_TYPE / worker-hostname warnings
     table = out.stdout[out.stdout.index("dry run:") :]
     assert (
-        "v5litepod-4 (v5e:2x2), 4 devices of TPU v5 lite, mesh {'data': 1, 'fsdp': 2, 'tensor': 2}" in table
+        "v5litepod-4 (v5e:2x2), 4 devices of TPU v5 lite, mesh {'data': 1, 'fsdp': 2, 'context': 1, 'tensor': 2}"
+        in table
     )
     assert "attention 'splash'" in table
     rows = memory_rows(table)

@@ -18,7 +18,9 @@ from test_olmo_core_ckpt import restore
 from test_stages import SMALL, arrays, small_recipe, stage1_run  # noqa: F401 (a fixture)
 
 import ckpt
+import data
 import olmo3
+import shard
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,6 +170,15 @@ def test_a_stage2_run_goes_on_into_stage3_with_yarn_and_the_longer_context(small
         (["--file_seed", "123"], "--file_seed 123: goes with --pack_files N"),
         (["--yarn", "0.5"], "--yarn 0.5: expected a factor above 1"),
         (["--pack_files", "8", "--attention", "cudnn"], "--pack_files: document masking is not on the cuDNN"),
+        (["--mesh", "context=3"], "--mesh context=3 (context=3): --seq_len 256 does not split into 6 equal"),
+        (
+            ["--mesh", "context=8"],
+            "--mesh context=8 (context=8): each device's chunks of 16 positions are not",
+        ),
+        (
+            ["--mesh", "context=2", "--attention", "splash"],
+            "--mesh context=2 (context=2): attention 'splash' does",
+        ),
     ],
 )
 def test_bad_stage3_flags_are_one_line(tmp_path, flags, message):
@@ -181,3 +192,92 @@ def test_bad_stage3_flags_are_one_line(tmp_path, flags, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+# ---- the context axis: every layout equal to one device
+
+# A model whose sliding window (32) makes whole blocks of the chunks context=2 and context=4 cut 256 into.
+CONTEXT_MODEL = dataclasses.replace(
+    olmo3.PRESETS["tiny"],
+    vocab_size=512,
+    d_model=64,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    mlp_hidden=128,
+    sliding_window=32,
+    rope_full=olmo3.Rope(yarn=olmo3.Yarn(factor=8.0, original_max_position=64)),
+)
+CONTEXT_RECIPE = dataclasses.replace(train.PRESETS["tiny"], seq_len=256, pack_files=2, z_loss=1e-3)
+
+
+@pytest.fixture(scope="module")
+def context_runs(tmp_path_factory):
+    """run(spec, attention): two train steps of CONTEXT_MODEL on packed batches (data.PackedLoader over
+    documents of 1 to 200 tokens), from the same initial parameters: the metrics and the parameters after."""
+    folder, rng = tmp_path_factory.mktemp("packed"), np.random.default_rng(5)
+    paths = []
+    for k in range(4):
+        docs = [np.append(rng.integers(2, 512, n - 1), 1) for n in rng.integers(1, 200, 40)]
+        paths.append(str(folder / f"{k}.npy"))
+        np.concatenate(docs).astype(np.uint16).tofile(paths[-1])
+    cfg = CONTEXT_RECIPE
+    loader = data.PackedLoader(
+        paths, cfg.seq_len, cfg.global_batch, eos_id=1, pad_id=0, group_size=2, seed=cfg.seed, dtype=np.uint16
+    )
+    batches = [loader.global_batch(i) for i in range(2)]
+    assert all(len(np.unique(docs[0])) > 2 for _, _, docs in batches)  # rows of several documents
+
+    def run(spec: str, attention: str):
+        compute = olmo3.Compute(attention=attention)
+        model = olmo3.Olmo3(CONTEXT_MODEL, key=jax.random.key(0), compute=compute)
+        opt = train.init_opt(eqx.filter(model, eqx.is_array), cfg)
+        mesh = None if spec == "single" else shard.make_mesh(spec)
+        if mesh is not None:
+            model = eqx.filter_shard(model, shard.shardings(model, mesh))
+            opt = eqx.filter_shard(opt, shard.shardings(opt, mesh))
+        put = (
+            (lambda a: jnp.asarray(a.astype(np.int32) if a.dtype != bool else a))
+            if mesh is None
+            else (lambda a: shard.put_batch(a, mesh, len(a)))
+        )
+        metrics = []
+        for k, (tokens, mask, documents) in enumerate(batches, start=1):
+            lr = jnp.float32(train.lr_at(k, cfg))
+            kw = dict(cfg=cfg, n_micro=1, mesh=mesh, label_mask=put(mask), documents=put(documents))
+            model, opt, m = train.train_step(model, opt, put(tokens), lr, **kw)
+            metrics.append({name: float(m[name]) for name in ("loss", "grad_norm")})
+        return metrics, [np.asarray(x) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "spec, attention",
+    [("context=4", "local"), ("fsdp=2,context=2,tensor=2", "local"), ("data=2,context=4", "reference")],
+)
+def test_context_split_steps_equal_the_single_device_run(context_runs, spec, attention):
+    """Packed rows (documents masked, YaRN on the full layers) split over a context axis in the balanced
+    order, alone and with the other axes: the losses, grad norms and parameters after two steps equal one
+    device's to fp32 rounding."""
+    want, want_params = context_runs("single", attention)
+    got, got_params = context_runs(spec, attention)
+    for a, b in zip(got, want, strict=True):
+        for name in ("loss", "grad_norm"):
+            assert abs(a[name] - b[name]) <= 1e-5 * abs(b[name]), (name, a[name], b[name])
+    for a, b in zip(got_params, want_params, strict=True):
+        assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(b)
+
+
+def test_balanced_order_gives_each_device_the_same_causal_work():
+    """olmo3.balanced_order: a permutation whose n runs each hold one early and one late chunk, so every
+    device computes the same number of (query, key) pairs under the causal mask (a plain split: 2n - 1 times
+    as many on the last device as on the first)."""
+    seq, n = 1024, 4
+    order = olmo3.balanced_order(seq, n)
+    assert sorted(order.tolist()) == list(range(seq))
+    pairs = (order + 1).reshape(n, -1).sum(axis=1)  # a query at position p sees p + 1 keys
+    assert len(set(pairs.tolist())) == 1
+    plain = (np.arange(seq) + 1).reshape(n, -1).sum(axis=1)
+    assert plain[-1] / plain[0] > 2 * n - 2

@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_parse_mesh_fills_the_rest_and_names_the_flag_in_errors():
-    assert shard.parse_mesh("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4, "tensor": 1}
-    assert shard.parse_mesh("tensor=2, fsdp=-1", 8) == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert shard.parse_mesh("", 8) == {"data": 1, "fsdp": 1, "tensor": 1}
+    assert shard.parse_mesh("data=2,fsdp=-1", 8) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1}
+    assert shard.parse_mesh("tensor=2, fsdp=-1", 8) == {"data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    assert shard.parse_mesh("", 8) == {"data": 1, "fsdp": 1, "context": 1, "tensor": 1}
     with pytest.raises(ValueError, match=r"--mesh 'data=3,fsdp=-1': 8 devices do not divide by the other"):
         shard.parse_mesh("data=3,fsdp=-1", 8)
     with pytest.raises(ValueError, match=r"--mesh 'data=-1,fsdp=-1': at most one axis may be -1"):
@@ -54,8 +54,8 @@ def test_parse_mesh_fills_the_rest_and_names_the_flag_in_errors():
 
 def test_make_mesh_spans_all_devices_or_the_first_few():
     mesh = shard.make_mesh("data=2,fsdp=-1,tensor=2")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+    assert mesh.axis_types == (AxisType.Auto,) * 4
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in jax.devices())
     assert list(shard.make_mesh("data=1").devices.flat) == jax.devices()[:1]  # the tiny preset's default
 
@@ -76,17 +76,17 @@ def test_device_grid_puts_the_slow_network_on_the_outer_axis():
     where = lambda grid, f: np.vectorize(f)(grid)
     # Two TPU slices of 4 chips: the slice boundary goes on data, else fsdp; never on tensor.
     slices = [FakeDevice(i, slice_index=i // 4) for i in range(8)]
-    grid = shard.device_grid({"data": 2, "fsdp": 4, "tensor": 1}, slices)
-    assert grid.shape == (2, 4, 1)
-    assert (where(grid, lambda d: d.slice_index) == [[[0]] * 4, [[1]] * 4]).all()
-    grid = shard.device_grid({"data": 1, "fsdp": 4, "tensor": 2}, slices)
-    assert (where(grid, lambda d: d.slice_index)[0] == [[0, 0], [0, 0], [1, 1], [1, 1]]).all()
+    grid = shard.device_grid({"data": 2, "fsdp": 4, "context": 1, "tensor": 1}, slices)
+    assert grid.shape == (2, 4, 1, 1)
+    assert (where(grid, lambda d: d.slice_index) == [[[[0]]] * 4, [[[1]]] * 4]).all()
+    grid = shard.device_grid({"data": 1, "fsdp": 4, "context": 1, "tensor": 2}, slices)
+    assert (where(grid, lambda d: d.slice_index)[0, :, 0] == [[0, 0], [0, 0], [1, 1], [1, 1]]).all()
     with pytest.raises(ValueError, match="the 2 slices must divide the data or the fsdp axis"):
-        shard.device_grid({"data": 1, "fsdp": 1, "tensor": 8}, slices)
+        shard.device_grid({"data": 1, "fsdp": 1, "context": 1, "tensor": 8}, slices)
     # Two GPU hosts of 4 (one process per GPU, as srun starts them): by id, so tensor stays within a host.
     gpus = [FakeDevice(i, platform="gpu") for i in reversed(range(8))]
-    grid = shard.device_grid({"data": 1, "fsdp": 2, "tensor": 4}, gpus)
-    assert (where(grid, lambda d: d.id // 4) == [[[0] * 4, [1] * 4]]).all()
+    grid = shard.device_grid({"data": 1, "fsdp": 2, "context": 1, "tensor": 4}, gpus)
+    assert (where(grid, lambda d: d.id // 4)[:, :, 0] == [[[0] * 4, [1] * 4]]).all()
 
 
 # ---- the rules
@@ -98,7 +98,7 @@ def test_rules_cover_every_parameter_and_the_optimizer_state(preset):
     model = olmo3.abstract(olmo3.PRESETS[preset])
     opt = eqx.filter_eval_shape(train.init_opt, model, train.PRESETS["7b"])
     # The 8 test devices, and a pod-sized mesh that needs no devices to check.
-    for mesh in [shard.make_mesh("data=2,fsdp=2,tensor=2"), AbstractMesh((2, 64, 4), shard.MESH_AXES)]:
+    for mesh in [shard.make_mesh("data=2,fsdp=2,tensor=2"), AbstractMesh((2, 64, 1, 4), shard.MESH_AXES)]:
         for tree in (model, opt):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # nothing over 1 MB left replicated
@@ -112,7 +112,9 @@ def test_rules_cover_every_parameter_and_the_optimizer_state(preset):
 
 def test_specs_on_a_pod_mesh():
     model = olmo3.abstract(olmo3.PRESETS["7b"])
-    specs = jax.tree.map(lambda s: s.spec, shard.shardings(model, AbstractMesh((1, 32, 8), shard.MESH_AXES)))
+    specs = jax.tree.map(
+        lambda s: s.spec, shard.shardings(model, AbstractMesh((1, 32, 1, 8), shard.MESH_AXES))
+    )
     assert specs.embed_tokens == P("tensor", "fsdp")
     assert specs.layers.self_attn.q_proj == P(None, "fsdp", "tensor", None)
     assert specs.layers.self_attn.o_proj == P(None, "tensor", None, "fsdp")
@@ -120,7 +122,9 @@ def test_specs_on_a_pod_mesh():
     assert specs.layers.mlp.down_proj == P(None, "tensor", "fsdp")  # ... row-parallel out
     assert specs.lm_head == P("fsdp", "tensor")
     # A dimension the axis does not divide stays whole: 32 heads over 64-way tensor parallelism.
-    q = shard.spec(("embed", "heads", "head_dim"), (4096, 32, 128), AbstractMesh((1, 4, 64), shard.MESH_AXES))
+    q = shard.spec(
+        ("embed", "heads", "head_dim"), (4096, 32, 128), AbstractMesh((1, 4, 1, 64), shard.MESH_AXES)
+    )
     assert q == P("fsdp", None, None)
 
 
@@ -453,7 +457,7 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     pair = launch(two, 6, tiny_data, processes=2, flags=task)
     single = launch(one, 6, tiny_data, processes=1, flags=task)
     (lead, other), _ = finish(pair), finish(single)
-    assert "mesh {'data': 1, 'fsdp': 8, 'tensor': 1} over 8 devices in 2 processes" in lead
+    assert "mesh {'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1} over 8 devices in 2 processes" in lead
     assert "config:" not in other  # only process 0 prints
     # Every process writes its shards of every checkpoint; process 0 alone the metrics.
     written = (two / "checkpoints" / "6" / "model").glob("ocdbt.process_*")
