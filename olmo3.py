@@ -343,9 +343,9 @@ def attention(
     OLMo-core's document masking does (its doc_lens). `context` > 1: q, k and v hold the row's positions in
     the balanced order of a context axis of that many devices (balanced_order), and the mask follows them."""
     *batch, seq, n_heads, head_dim = q.shape
-    if context > 1 and impl in ("cudnn", "splash"):
+    if context > 1 and impl == "cudnn":
         raise ValueError(
-            f"Compute.attention {impl!r} does not run with a context axis yet; expected reference or local"
+            "Compute.attention 'cudnn' does not run with a context axis yet; expected splash, local or reference"
         )
     if impl == "cudnn":
         if documents is not None:
@@ -370,7 +370,7 @@ def attention(
     if impl == "local" and window and seq > window and chunk % window == 0:
         return _local_attention(q, k, v, window, documents, context)
     if impl == "splash":
-        return _splash_attention(q, k, v, window, layout, documents)
+        return _splash_attention(q, k, v, window, layout, documents, context)
     if context > 1:  # each device's queries against every key of the row (what a full layer needs)
         k, v = (layout.constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
     n_kv = k.shape[-2]
@@ -441,7 +441,7 @@ def _blocks_before(x, axis: int, context: int, xp):
     return xp.moveaxis(xp.concatenate([edges, y[:, :, :-1]], axis=2).reshape(x.shape), 0, axis)
 
 
-def _splash_attention(q, k, v, window, layout, documents=None):
+def _splash_attention(q, k, v, window, layout, documents=None, context=1):
     # TPU Pallas (Mosaic) kernel; the window is a LocalMask, so it is honoured, never dropped. XLA cannot
     # partition a Mosaic kernel, so on a mesh it runs inside shard_map on each device's rows and heads:
     # q is regrouped as "kv_heads group" so that q, k and v split their heads alike.
@@ -452,16 +452,101 @@ def _splash_attention(q, k, v, window, layout, documents=None):
     # What counts is where the step is compiled: the mesh's devices, which may be a TPU slice described
     # on a CPU machine (train.py --dry_run --topology); without a mesh, jit compiles for the default device.
     platform = layout.platform if layout is not None else jax.devices()[0].platform
-    kernel = functools.partial(_splash_kernel, window=window, interpret=platform != "tpu")
+    interpret = platform != "tpu"
+    if context > 1:
+        kernel, args, seq_axes = _splash_chunks_inputs(qg, k, v, window, documents, context, interpret)
+    else:
+        kernel = functools.partial(_splash_kernel, window=window, interpret=interpret)
+        args = [qg, k, v] + ([] if documents is None else [documents.astype(jnp.int32)])
+        seq_axes = [None] * len(args)  # whole rows on each device (the kernel masks by position in the row)
     for _ in batch:
         kernel = jax.vmap(kernel)
-    args = [qg, k, v] + ([] if documents is None else [documents.astype(jnp.int32)])
     if layout is not None:
         lead = ("batch",) + (None,) * (len(batch) - 1) if batch else ()
-        # Whole rows on each device (the kernel masks by position in the row): seq is left unsplit.
-        axes = [lead + (None, "kv_heads", None, "head_dim")] + [lead + (None, "kv_heads", "head_dim")] * 2
-        kernel = layout.per_shard(kernel, axes + ([lead + (None,)] if documents is not None else []))
+        rest = {
+            4: ("kv_heads", None, "head_dim"),
+            3: ("kv_heads", "head_dim"),
+            1: (),
+        }  # q; k and v; documents
+        axes = [lead + (seq,) + rest[x.ndim - len(batch)] for seq, x in zip(seq_axes, args, strict=True)]
+        kernel = layout.per_shard(kernel, axes)
     return kernel(*args).reshape(q.shape)
+
+
+def _splash_chunks_inputs(qg, k, v, window, documents, context, interpret):
+    """Splash over a context axis: the per-device kernel (_splash_chunks), its arguments, and which of them
+    are split along the sequence ("seq": over the context axis) or whole (None). A sliding layer's device
+    gets, beside its chunks, the window of keys before each chunk (_blocks_before: from its neighbours); a
+    full layer's gets the whole row's keys, in the row's order."""
+    *batch, seq, _, _, _ = qg.shape
+    lead = len(batch)
+    docs = jnp.zeros(qg.shape[: lead + 1], jnp.int32) if documents is None else documents.astype(jnp.int32)
+    sliding, c = window is not None and window < seq, seq // (2 * context)
+    if sliding and c % window:
+        raise ValueError(
+            f"a context axis of {context} cuts {seq} positions into chunks of {c}, not whole windows"
+        )
+    kernel = functools.partial(
+        _splash_chunks, window=window if sliding else None, context=context, interpret=interpret
+    )
+    if sliding:
+        windows = lambda x: x.reshape(*batch, seq // window, window, *x.shape[lead + 1 :])
+        before = lambda x: _blocks_before(windows(x), lead, context, jnp).reshape(x.shape)
+        return kernel, [qg, k, v, docs, docs, before(k), before(v), before(docs)], ["seq"] * 8
+    row = lambda x: _row_order(x, context, lead)
+    return kernel, [qg, row(k), row(v), docs, row(docs)], ["seq", None, None, "seq", None]
+
+
+def _splash_chunks(
+    q, k, v, q_docs, kv_docs, k_before=None, v_before=None, docs_before=None, *, window, context, interpret
+):
+    """One device's share of a row split over a context axis: its two chunks of c consecutive positions
+    (chunk i and chunk 2n - 1 - i, n = context), one Splash call each. Sliding layers: a chunk against the
+    window before it and itself, a LocalMask the same on every device; the row's first chunk has no window
+    before it, which segment ids mask (-1 matches no document). Full layers: a chunk j against the whole row
+    under a causal mask offset by j * c; the mask is static, so each possible j is its own kernel and
+    lax.switch runs the device's."""
+    c = q.shape[0] // 2
+    i = jax.lax.axis_index("context")
+    halves = lambda x: (x[:c], x[c:])
+    if window is not None:
+        mask = _splash_mask_local((c, window + c), window)
+        outs = []
+        for h, row_start in ((0, i == 0), (1, False)):
+            with_before = lambda x, b: jnp.concatenate([b[h * c : h * c + window], halves(x)[h]])
+            before_docs = jnp.where(row_start, -1, docs_before[h * c : h * c + window])
+            kv_docs_h = jnp.concatenate([before_docs, halves(kv_docs)[h]])
+            args = (
+                halves(q)[h],
+                with_before(k, k_before),
+                with_before(v, v_before),
+                halves(q_docs)[h],
+                kv_docs_h,
+            )
+            outs.append(_splash_call(*args, mask, interpret))
+        return jnp.concatenate(outs)
+    seq = k.shape[0]
+    causal = lambda j: functools.partial(
+        _splash_call, mask=_splash_mask_causal((c, seq), j * c), interpret=interpret
+    )
+    first = jax.lax.switch(
+        i, [causal(j) for j in range(context)], halves(q)[0], k, v, halves(q_docs)[0], kv_docs
+    )
+    last = [causal(2 * context - 1 - j) for j in range(context)]
+    second = jax.lax.switch(i, last, halves(q)[1], k, v, halves(q_docs)[1], kv_docs)
+    return jnp.concatenate([first, second])
+
+
+def _splash_mask_local(shape, window):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    return sa.LocalMask(shape, (window - 1, 0), offset=shape[1] - shape[0])
+
+
+def _splash_mask_causal(shape, offset):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    return sa.CausalMask(shape, offset=offset)
 
 
 def _splash_kernel(
@@ -473,33 +558,51 @@ def _splash_kernel(
     window: int | None,
     interpret: bool,
 ) -> Float[Array, "seq kv_heads group head_dim"]:
+    seq = q.shape[0]
+    mask = _splash_mask_local((seq, seq), window) if window else _splash_mask_causal((seq, seq), 0)
+    return _splash_call(q, k, v, documents, documents, mask, interpret)
+
+
+def _splash_call(
+    q: Float[Array, "q_seq kv_heads group head_dim"],
+    k: Float[Array, "kv_seq kv_heads head_dim"],
+    v: Float[Array, "kv_seq kv_heads head_dim"],
+    q_documents: Int[Array, " q_seq"] | None,
+    kv_documents: Int[Array, " kv_seq"] | None,
+    mask,
+    interpret: bool,
+) -> Float[Array, "q_seq kv_heads group head_dim"]:
+    """One Splash kernel over every head: `mask` (a Splash mask of (q_seq, kv_seq)) for each, and where given
+    the documents as segment ids (a key of another document is masked)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    seq, n_kv, group, head_dim = q.shape
-    one = sa.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else sa.CausalMask((seq, seq))
-    block = min(512, seq)  # 512-wide tiles keep the MXU busy; the sequence must divide into them
-    if seq % block:
+    q_seq, n_kv, group, head_dim = q.shape
+    # Tiles of 512 keep the MXU busy; the kernel takes multiples of 128 (a lane's width), or a shorter whole.
+    tile = lambda n: next((b for b in (512, 256, 128) if n % b == 0), n if n < 128 else None)
+    block_q, block_kv = tile(q_seq), tile(k.shape[0])
+    if block_q is None or block_kv is None:
         raise ValueError(
-            f"Compute.attention 'splash' needs the sequence length ({seq}) to be a multiple of {block}"
+            f"Compute.attention 'splash' needs the sequence length ({q_seq}; keys {k.shape[0]}) to be a "
+            "multiple of 128"
         )
     sizes = sa.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
         use_fused_bwd_kernel=True,
     )
     kernel = sa.make_splash_mha(
-        sa.MultiHeadMask([one] * (n_kv * group)),
+        sa.MultiHeadMask([mask] * (n_kv * group)),
         block_sizes=sizes,
         head_shards=1,
         q_seq_shards=1,
         interpret=interpret,
     )
-    heads_first = lambda x: jnp.moveaxis(x.reshape(seq, -1, head_dim), 0, 1)  # heads seq head_dim
-    segments = None if documents is None else sa.SegmentIds(q=documents, kv=documents)  # others' keys masked
+    heads_first = lambda x: jnp.moveaxis(x.reshape(x.shape[0], -1, head_dim), 0, 1)  # heads seq head_dim
+    segments = None if q_documents is None else sa.SegmentIds(q=q_documents, kv=kv_documents)
     q = q * head_dim**-0.5  # splash does not scale
     out = kernel(heads_first(q), heads_first(k), heads_first(v), segment_ids=segments)
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
@@ -676,16 +779,17 @@ class Olmo3(eqx.Module):
             group = jax.checkpoint(group, policy=REMAT_POLICIES[compute.remat])
         x, _ = jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)
         x = rms_norm(x, model.norm, cfg.norm_eps)
-        return x if context == 1 else _row_order(x, context)
+        return x if context == 1 else _row_order(x, context, x.ndim - 2)
 
 
-def _row_order(x: Float[Array, "*batch seq embed"], context: int) -> Float[Array, "*batch seq embed"]:
-    """Hidden states held in balanced_order(seq, context) back in the row's order: the devices' first chunks
-    in turn, then their second chunks in reverse (slices and a reversal XLA sends as collective permutes,
-    where an index gather would all-reduce the whole row)."""
-    *batch, seq, d = x.shape
-    y = x.reshape(*batch, context, 2, seq // (2 * context), d)
-    return jnp.concatenate([y[..., 0, :, :], y[..., ::-1, 1, :, :]], axis=-3).reshape(x.shape)
+def _row_order(x: Shaped[Array, "..."], context: int, axis: int) -> Shaped[Array, "..."]:
+    """`x`, whose axis `axis` holds a row's positions in balanced_order(seq, context), in the row's order: the
+    devices' first chunks in turn, then their second chunks in reverse (slices and a reversal XLA sends as
+    collective permutes, where an index gather would all-reduce the whole row)."""
+    y = jnp.moveaxis(x, axis, 0)
+    y = y.reshape(context, 2, -1, *y.shape[1:])
+    y = jnp.concatenate([y[:, 0], y[::-1, 1]]).reshape(x.shape[axis], *y.shape[3:])
+    return jnp.moveaxis(y, 0, axis)
 
 
 def abstract(cfg: Olmo3Config, compute: Compute = Compute()) -> Olmo3:

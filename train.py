@@ -618,18 +618,18 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
 
 def check_context(cfg: TrainConfig, n: int, kernel: str) -> None:
     """A context axis of n devices splits each row into 2n chunks (olmo3.balanced_order): --seq_len must
-    divide into them, and on the blocked kernel ("local") each chunk into whole sliding windows, so that a
-    sliding layer needs only the window before each block (a neighbour's) and not the whole row."""
+    divide into them, and on the blocked and Splash kernels each chunk into whole sliding windows, so that a
+    sliding layer needs only the window before each chunk (a neighbour's) and not the whole row."""
     where = f"--mesh {cfg.mesh} (context={n})"
-    if kernel not in ("reference", "local"):
+    if kernel == "cudnn":
         raise FlagError(
-            f"{where}: attention {kernel!r} does not run with a context axis yet; expected --attention local "
+            f"{where}: attention 'cudnn' does not run with a context axis yet; expected --attention local "
             "(or reference), or a mesh without context (fsdp and tensor axes)"
         )
     if cfg.seq_len % (2 * n):
         raise FlagError(f"{where}: --seq_len {cfg.seq_len} does not split into {2 * n} equal chunks")
     window, chunk = model_config(cfg).sliding_window, cfg.seq_len // (2 * n)
-    if kernel == "local" and window < cfg.seq_len and chunk % window:
+    if kernel != "reference" and window < cfg.seq_len and chunk % window:
         raise FlagError(
             f"{where}: each device's chunks of {chunk} positions are not whole sliding windows of {window}; "
             f"expected context=N with --seq_len / 2N a multiple of {window}, or --attention reference"
