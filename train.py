@@ -1,4 +1,4 @@
-"""Stages 1 and 2 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train
+"""Stages 1, 2 and 3 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train
 step, the run (its steps, its loop, main), and last the command line.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
@@ -7,14 +7,17 @@ step, the run (its steps, its loop, main), and last the command line.
     python train.py --preset 7b --init_from_hf Olmo-3-1025-7B-stage1-step0 ...
     python ckpt.py next-stage runs/7b runs/7b-midtrain --preset 7b-midtrain   # stage 1's state as step 0 ...
     python train.py --preset 7b-midtrain --data_root /mnt/olmo-data            # ... of stage 2 (midtraining)
+    python ckpt.py next-stage runs/7b-midtrain runs/7b-long-context --preset 7b-long-context
+    python train.py --preset 7b-long-context --mesh fsdp=-1,context=8 ...     # stage 3: 65,536-token rows
     python train.py --help                             # every flag, its default and what it does
 
 Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunning the same command with the
 same --run_dir resumes from the newest valid checkpoint, bit for bit: the data order is a pure function of
 (seed, step), and everything else that shapes step k+1 is in the checkpoint.
 The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py` (stage 1 of the 7B) and
-`OLMo-3-1025-32B-pretrain.py`, and for stage 2 `OLMo-3-1025-7B-midtrain.py` and the 32B's two
-`-midtrain-ingredient-*.py`; the fields marked `recipe(...)` below are theirs.
+`OLMo-3-1025-32B-pretrain.py`, for stage 2 `OLMo-3-1025-7B-midtrain.py` and the 32B's two
+`-midtrain-ingredient-*.py`, for stage 3 `OLMo-3-1025-7B-long-context.py` and the 32B's; the fields marked
+`recipe(...)` below are theirs.
 """
 
 import dataclasses
@@ -161,7 +164,8 @@ class TrainConfig:
     microbatch: int = flag(0, low=0)  # instances per device per forward/backward; 0 = the device's share
     loss_chunk: int = flag(0, low=0)  # positions per chunk of the fused loss; 0 = the whole sequence
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
-    mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,tensor=1; one axis may be -1 ("the rest")
+    mesh: str = "fsdp=-1"  # e.g. data=2,fsdp=4,context=1,tensor=1; one axis may be -1 ("the rest"); context
+    # splits each row's positions (stage 3's long rows), balanced for causal work
 
     # run
     run_dir: str = "runs/7b"
@@ -1214,13 +1218,16 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
     compile_for = functools.cache(lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro))
     n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
     rows = cfg.global_batch // n_micro // (mesh.shape["data"] * mesh.shape["fsdp"])
+    split = (
+        f" (each row's positions over {mesh.shape['context']} devices)" if mesh.shape["context"] > 1 else ""
+    )
     say(
         f"dry run: {cfg.preset} on {shard.describe(mesh, target)}, {n_micro} microbatch(es) of {rows} rows x "
-        f"{cfg.seq_len} per device, attention {compute.attention!r}, remat {compute.remat}; compiling ..."
+        f"{cfg.seq_len} per device{split}, attention {compute.attention!r}, remat {compute.remat}; compiling ..."
     )
     tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
     tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
-    tips = ", ".join([*tips, "more chips, or a tensor axis in --mesh"])
+    tips = ", ".join([*tips, "more chips, or a tensor or context axis in --mesh"])
     fits = shard.fit_report(lambda: compile_for(n_micro), mesh, target, tips, say)
     report_eval_steps(cfg, mesh, model_cfg, compute, n_micro, target)
     if compute.attention == "reference":

@@ -338,3 +338,46 @@ def test_splash_over_a_context_axis_compiles_for_a_tpu():
         kernels[None]
         == ["splash_mha_dkv_segmented_no_residuals"] * 4 + ["splash_mha_fwd_segmented_residuals"] * 4
     )
+
+
+def test_a_stage3_export_reads_in_transformers_as_it_trained(tmp_path):
+    """A stage-3 model exported to Hugging Face: transformers' Olmo3ForCausalLM reads its config (YaRN on the
+    full layers only, the stage's context) and computes our logits at 1,024 positions, 16 times the model's
+    original context; a config in the style of AI2's releases (one rope_theta, a rope_scaling) reads the same,
+    as transformers 5 puts rope_scaling on the full layers only. With YaRN on every layer (what a reader
+    that applies rope_scaling globally computes) the logits would be another model's."""
+    import json
+
+    from hf_models import hf_logits
+    from transformers import Olmo3ForCausalLM
+
+    cfg = dataclasses.replace(CONTEXT_MODEL, max_seq_len=1024)
+    model = olmo3.Olmo3(cfg, key=jax.random.key(1))
+    sharp = lambda w: w * 6  # sharper attention, so that RoPE's frequencies show in the logits
+    model = eqx.tree_at(
+        lambda m: (m.layers.self_attn.q_proj, m.layers.self_attn.k_proj), model, replace_fn=sharp
+    )
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 1024))
+    ours = np.asarray(model(jnp.asarray(tokens)))[..., : cfg.vocab_size]
+    ckpt.save_hf(model, tmp_path / "hf")
+    config_file = tmp_path / "hf" / "config.json"
+    exported = json.loads(config_file.read_text())
+    assert exported["rope_parameters"]["sliding_attention"]["rope_type"] == "default"
+    assert exported["rope_parameters"]["full_attention"]["rope_type"] == "yarn"
+
+    def theirs(config: dict) -> np.ndarray:
+        config_file.write_text(json.dumps(config))
+        return hf_logits(
+            Olmo3ForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager"), tokens
+        )
+
+    scale = np.abs(ours).max()
+    assert np.abs(theirs(exported) - ours).max() < 1e-4 * scale
+    released = {k: v for k, v in exported.items() if k != "rope_parameters"}
+    released |= dict(rope_theta=500_000.0, rope_scaling=exported["rope_parameters"]["full_attention"])
+    assert np.abs(theirs(released) - ours).max() < 1e-4 * scale
+    everywhere = exported["rope_parameters"]["full_attention"]
+    every_layer = exported | {
+        "rope_parameters": {"sliding_attention": everywhere, "full_attention": everywhere}
+    }
+    assert np.abs(theirs(every_layer) - ours).max() > 1e-2 * scale
