@@ -49,12 +49,12 @@ ROWS = [
     ("remat", "7b tpu7x-512 --remat save_matmuls"),
     # Stage 3: 64 (the 32B: 128) rows of 65,536 tokens, documents packed; the fsdp x tensor mesh, or a context
     # axis of 8 as OLMo-core's scripts split a row.
-    ("long-context", "7b-long-context v5p-512 --mesh fsdp=64,tensor=4"),
-    ("long-context", "7b-long-context v5p-512 --mesh fsdp=32,context=8"),
-    ("long-context", "7b-long-context v5p-128 --mesh fsdp=8,context=8 --microbatch 1"),
-    ("long-context", "7b-long-context v6e-256 --mesh fsdp=32,context=8 --microbatch 1"),
-    ("long-context", "7b-long-context tpu7x-128 --mesh fsdp=16,context=8 --microbatch 1"),
-    ("long-context", "32b-long-context v5p-1024 --mesh fsdp=64,context=8 --microbatch 1"),
+    ("long-context", "7b-long-context v5p-512 --mesh=fsdp=64,tensor=4"),
+    ("long-context", "7b-long-context v5p-512 --mesh=fsdp=32,context=8"),
+    ("long-context", "7b-long-context v5p-128 --mesh=fsdp=8,context=8 --microbatch 1"),
+    ("long-context", "7b-long-context v6e-256 --mesh=fsdp=32,context=8 --microbatch 1"),
+    ("long-context", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1"),
+    ("long-context", "32b-long-context v5p-1024 --mesh=fsdp=64,context=8 --microbatch 1"),
     # GPU hosts (the [gpu] extra: pip install -e '.[gpu]'), JAX's default 75% of each GPU's memory unless the
     # row sets XLA_PYTHON_CLIENT_MEM_FRACTION.
     ("gpu", "7b h200x1 --microbatch 1"),

@@ -29,8 +29,8 @@ def kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def take_step(run, step, *args):
-    out = real_take_step(run, step, *args)
+def take_step(run, step, *args, **kwargs):
+    out = real_take_step(run, step, *args, **kwargs)
     if moment == "mid_step" and step == at:
         kill()
     if moment == "raise" and step == at:
