@@ -489,9 +489,12 @@ def _splash_chunks_inputs(qg, k, v, window, documents, context, interpret):
     kernel = functools.partial(
         _splash_chunks, window=window if sliding else None, context=context, interpret=interpret
     )
-    if sliding:
+    if sliding:  # the window before each chunk: every (c / window)-th block's block before, 2 a device
         windows = lambda x: x.reshape(*batch, seq // window, window, *x.shape[lead + 1 :])
-        before = lambda x: _blocks_before(windows(x), lead, context, jnp).reshape(x.shape)
+        chunk_starts = (slice(None),) * lead + (slice(None, None, c // window),)
+        before = lambda x: _blocks_before(windows(x), lead, context, jnp)[chunk_starts].reshape(
+            *batch, 2 * context * window, *x.shape[lead + 1 :]
+        )
         return kernel, [qg, k, v, docs, docs, before(k), before(v), before(docs)], ["seq"] * 8
     row = lambda x: _row_order(x, context, lead)
     return kernel, [qg, row(k), row(v), docs, row(docs)], ["seq", None, None, "seq", None]
@@ -502,7 +505,7 @@ def _splash_chunks(
 ):
     """One device's share of a row split over a context axis: its two chunks of c consecutive positions
     (chunk i and chunk 2n - 1 - i, n = context), one Splash call each. Sliding layers: a chunk against the
-    window before it and itself, a LocalMask the same on every device; the row's first chunk has no window
+    window before it (k_before: the two chunks' windows) and itself, a LocalMask the same on every device; the row's first chunk has no window
     before it, which segment ids mask (-1 matches no document). Full layers: a chunk j against the whole row
     under a causal mask offset by j * c; the mask is static, so each possible j is its own kernel and
     lax.switch runs the device's."""
@@ -513,8 +516,8 @@ def _splash_chunks(
         mask = _splash_mask_local((c, window + c), window)
         outs = []
         for h, row_start in ((0, i == 0), (1, False)):
-            with_before = lambda x, b: jnp.concatenate([b[h * c : h * c + window], halves(x)[h]])
-            before_docs = jnp.where(row_start, -1, docs_before[h * c : h * c + window])
+            with_before = lambda x, b: jnp.concatenate([b[h * window : (h + 1) * window], halves(x)[h]])
+            before_docs = jnp.where(row_start, -1, docs_before[h * window : (h + 1) * window])
             kv_docs_h = jnp.concatenate([before_docs, halves(kv_docs)[h]])
             args = (
                 halves(q)[h],
