@@ -130,11 +130,9 @@ class TrainConfig:
     # NumpyPackedFSLDataset with generate_doc_lengths, groups of 8)
     file_seed: int = recipe(-1, low=-1)  # with --pack_files: the files first shuffled by Python's
     # random.Random(file_seed) (OLMo-core's source_permutation_seed: 123 in stage 3); -1: in their order
-    positions: str = recipe(
-        "row", choices=("row", "document")
-    )  # RoPE positions of packed rows: 0 ... seq - 1
-    # across the row (the code AI2's long-context models trained with), or from 0 at each document (OLMo-core
-    # since May 2026, its PR #663)
+    positions: str = recipe("row", choices=("row", "document"))  # RoPE positions of packed rows: 0 ...
+    # seq - 1 across the row (the code AI2's long-context models trained with), or from 0 at each document
+    # (OLMo-core since May 2026, its PR #663)
 
     # optimizer: OLMo-core's SkipStepAdamW
     lr: float = recipe(3e-4, above=0)  # peak learning rate
