@@ -7,7 +7,9 @@ reference run over the same files:
 - token files are headerless arrays (named .npy) of the smallest uint dtype that holds the vocabulary;
 - file k is cut into floor(tokens_k / seq_len) instances: none spans two files, each remainder is dropped;
 - the order is one permutation, PCG64(seed + epoch).shuffle(arange(N, uint32)), cut to whole global batches;
-- data-parallel rank r of `world` takes rows r, r + world, r + 2*world, ... of every global batch.
+- data-parallel rank r of `world` takes rows r, r + world, r + 2*world, ... of every global batch;
+- stage 3 instead packs whole documents into instances (PackedInstances: NumpyPackedFSLDataset), in the same
+  global order (PackedLoader), each row with its label mask and its documents.
 
   python data.py prepare-tiny                      # Shakespeare -> data/tiny/{train,val}/*.npy in seconds
   python data.py tokenize docs/*.jsonl --out data/mine --tokenizer dolma2 --num_proc 8
