@@ -7,8 +7,8 @@ those logical names onto four mesh axes, as MaxText and jax-llm-examples do:
     context  context parallelism: each row's positions split, balanced for causal work (olmo3.balanced_order)
     tensor   Megatron-style tensor parallelism: heads and the MLP's hidden units split
 The axes compose: a row's positions are split over context within each (data, fsdp) group of rows, its
-heads over tensor; weights are split over fsdp and tensor only (a context group all-gathers them as the data
-axes do), so context parallelism costs no weight memory, only the keys and values each layer gathers.
+heads over tensor. Weights are split over fsdp and tensor only: the devices of a context group hold the same
+weight shards, as those of the data axis do, so a context axis divides a row's activations, not the weights.
 Sharding never changes the maths, only where it runs: tests/test_shard.py checks every layout against the
 single-device run.
 """
