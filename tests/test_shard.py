@@ -443,6 +443,20 @@ def finish(procs, timeout: float = 300) -> list[str]:
     return outs
 
 
+def victim_output(victim, other, timeout: float = 300) -> str:
+    """The output of a process meant to kill itself; if it is still running after `timeout` seconds, both
+    are stopped with SIGABRT (faulthandler prints where each thread waited) and the test fails with that."""
+    try:
+        return victim.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        for p in (victim, other):
+            p.send_signal(signal.SIGABRT)
+        tails = [
+            f"{name}:\n{p.communicate()[0][-8000:]}" for name, p in (("victim", victim), ("other", other))
+        ]
+        raise AssertionError(f"the victim still ran after {timeout} s\n" + "\n".join(tails)) from None
+
+
 def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -475,10 +489,11 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
             assert abs(a[name] - b[name]) <= 1e-5 * b[name], (a, b)
 
     survivor, victim = launch(killed, 6, tiny_data, processes=2, faults=["none:0", "during_save:4"])
-    victim.communicate(timeout=300)
+    killed_out = victim_output(victim, survivor)
     t0 = time.time()
     out = survivor.communicate(timeout=120)[0]  # JAX's heartbeats stop it (--heartbeat_timeout 10)
-    assert victim.returncode == -signal.SIGKILL and survivor.returncode not in (0, None), out[-3000:]
+    assert victim.returncode == -signal.SIGKILL, killed_out[-3000:]
+    assert survivor.returncode not in (0, None), out[-3000:]
     assert "another task died" in out and time.time() - t0 < 90
     lead, _ = finish(launch(killed, 6, tiny_data, processes=2))
     assert "resuming from" in lead and "(step 2)" in lead

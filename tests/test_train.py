@@ -663,7 +663,7 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
     ("--schedule step", "--schedule 'step': expected one of cosine, linear"),
     ("--model 70b", "--model '70b': expected one of tiny, 190m, 1b, 7b, 32b"),
     ("--remat some", "--remat 'some': expected one of none, full, save_matmuls, save_attention"),
-    ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,tensor=1"),
+    ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,context=1,tensor=1"),
     ("--topology v5p-512", "--topology v5p-512: devices that exist only for the compiler; add --dry_run"),
     ("--dry_run --eval_only", "--dry_run and --eval_only: choose one"),
     (
