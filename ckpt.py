@@ -566,6 +566,19 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 
 
+def _barriers_through_the_coordinator() -> None:
+    """Orbax's barriers between processes (at each save's start, before old steps are removed, ...) through
+    JAX's coordination service, which waits with a timeout, instead of its default: a device all-reduce
+    (multihost_utils.sync_global_devices), a collective that queues among the train step's own and waits
+    forever for a process that is gone. Orbax reads the choice from an absl flag, which nothing here parses."""
+    from absl import flags
+
+    if jax.process_count() > 1:
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
+
+
 def _orbax_detail_to(log: Path | None) -> None:
     """Orbax logs its failures (a restore of a damaged checkpoint: pages of TensorStore detail) before raising
     them, and after a failed write TensorStore still calls back into Orbax's closed event loop, which Python
@@ -623,6 +636,7 @@ class Checkpoints:
             raise RunDirError(f"--run_dir {self.dir.parent}: cannot create {self.dir} ({self.cannot_write})")
         self.read_only = read_only or self.cannot_write is not None
         _orbax_detail_to(None if self.read_only or jax.process_index() else self.dir.parent / "log.txt")
+        _barriers_through_the_coordinator()
         self.options = (
             ocp.CheckpointManagerOptions(read_only=True)
             if self.read_only
