@@ -514,11 +514,15 @@ class Preemption:
 # Orbax checkpoints: checksums, the Checkpoints of a run, and the check that a resume continues the same run.
 
 
+@jax.jit
 def checksums(arrays) -> dict:
     """A uint32 checksum per array: sum of (bit pattern x (2i + 1)) mod 2^32 over its flat index i.
 
     Integer sums are exact in any order, so the value does not depend on how the array is sharded (a
     checkpoint restored onto another mesh checks out), and any single changed word changes the sum.
+    One compiled program for the whole tree: op by op, each array's sum would be its own small program
+    with its own all-reduce, and processes that ran those in different orders waited on each other
+    forever (a two-process save hung so).
     """
 
     def one(x):
