@@ -287,6 +287,17 @@ class GlobalOrder:
             global_indices(n, self.seed, self.epoch).tofile(f)
         return np.memmap(path, np.uint32, "r")
 
+    def order_fingerprint(self, paths: list[str], seq_len: int, dtype: np.dtype) -> dict:
+        """What the order depends on, as a checkpoint records it (a resume on other data is refused)."""
+        return {
+            "files": files_fingerprint(paths, dtype),
+            "seq_len": seq_len,
+            "dtype": str(dtype),
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "global_batch_size": self.global_batch_size,
+        }
+
     def batch_indices(self, i: int) -> np.ndarray:
         """The instances of batch i (0-indexed), in the global order."""
         if not 0 <= i < self.num_batches:
@@ -349,14 +360,7 @@ class TokenLoader(GlobalOrder):
         if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
             for p in self.paths:
                 _check_ids(np.fromfile(p, self.dtype, count=4096), vocab_size, p, 0)
-        self.fingerprint = {
-            "files": files_fingerprint(self.paths, self.dtype),
-            "seq_len": seq_len,
-            "dtype": str(self.dtype),
-            "seed": seed,
-            "epoch": epoch,
-            "global_batch_size": global_batch_size,
-        }
+        self.fingerprint = self.order_fingerprint(self.paths, seq_len, self.dtype)
 
     def where(self, j: int) -> tuple[str, int]:
         """The file instance j is read from, and the offset of its first token there (in tokens)."""
@@ -633,15 +637,8 @@ class PackedLoader(GlobalOrder):
         self.packed = PackedInstances(self.paths, seq_len, eos_id, pad_id, dtype, group_size)
         what = f"packed instances of {seq_len} tokens"
         super().__init__(len(self.packed), global_batch_size, seed, epoch, work_dir, what)
-        self.fingerprint = {
-            "files": files_fingerprint(self.paths, self.dtype),
-            "seq_len": seq_len,
-            "dtype": str(self.dtype),
-            "seed": seed,
-            "epoch": epoch,
-            "global_batch_size": global_batch_size,
-            "packing": dict(group_size=group_size, file_seed=file_seed, eos_id=eos_id, pad_id=pad_id),
-        }
+        packing = dict(group_size=group_size, file_seed=file_seed, eos_id=eos_id, pad_id=pad_id)
+        self.fingerprint = self.order_fingerprint(self.paths, seq_len, self.dtype) | {"packing": packing}
 
     def global_batch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._rows(self.batch_indices(i))
