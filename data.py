@@ -592,6 +592,11 @@ class PackedInstances:
         ends = ends if tokens[-1] == self.eos_id else np.append(ends, self.seq_len)
         return tokens, mask, np.diff(ends, prepend=0)
 
+    def most_documents(self) -> int:
+        """The most documents any instance holds, its padding one more (what instance()'s lengths count):
+        each span is one document, EOS-terminated or cut to seq_len (then alone)."""
+        return max(len(s) + int(sum(s[:, 2] - s[:, 1]) < self.seq_len) for s in self.spans)
+
     def where(self, i: int, t: int) -> tuple[str, int]:
         """The file position t of instance i was read from, and its offset there (in tokens)."""
         for k, start, end in self.spans[i]:

@@ -59,6 +59,8 @@ class Compute:
     attention: str = "reference"  # one of ATTENTION_KERNELS, or "auto": train.py picks by hardware
     remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES
     scan_unroll: int = 1  # layer groups per scan iteration
+    max_documents: int = 0  # packed rows (--pack_files) on cuDNN: the most documents a row holds (the
+    # padding one), a static bound cuDNN's packed attention compiles for; 0: train.py counts the data's most
 
     def __post_init__(self):
         for name, allowed in [
@@ -72,6 +74,8 @@ class Compute:
                 )
         if self.scan_unroll < 1:
             raise ValueError(f"Compute.scan_unroll {self.scan_unroll}: expected an integer >= 1")
+        if self.max_documents < 0:
+            raise ValueError(f"Compute.max_documents {self.max_documents}: expected an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -336,36 +340,22 @@ def attention(
     layout=None,
     documents: Int[Array, "*batch seq"] | None = None,
     context: int = 1,
+    max_documents: int = 0,
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Causal (optionally sliding-window) softmax attention with grouped kv heads. `layout` (shard.Layout)
     runs the Splash kernel on each device's shard; the other paths XLA partitions by itself. `documents`
     (packed rows: each position's document number) keeps each query to the keys of its own document, as
     OLMo-core's document masking does (its doc_lens). `context` > 1: q, k and v hold the row's positions in
-    the balanced order of a context axis of that many devices (balanced_order), and the mask follows them."""
+    the balanced order of a context axis of that many devices (balanced_order), and the mask follows them.
+    `max_documents`: cuDNN's static bound on a packed row's documents (Compute.max_documents)."""
     *batch, seq, n_heads, head_dim = q.shape
-    if context > 1 and impl == "cudnn":
-        raise ValueError(
-            "Compute.attention 'cudnn' does not run with a context axis yet; expected splash, local or reference"
-        )
     if impl == "cudnn":
-        if documents is not None:
+        if context > 1:
             raise ValueError(
-                "Compute.attention 'cudnn': document masking (packed documents) is not on the cuDNN path yet; "
-                "expected Compute.attention reference, local or splash"
+                "Compute.attention 'cudnn' does not run with a context axis yet; expected splash, local or "
+                "reference"
             )
-        if q.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(
-                f"Compute.attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}: expected "
-                "Compute.dtype bfloat16, or another Compute.attention"
-            )
-        return jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            is_causal=True,
-            implementation="cudnn",
-            local_window_size=(window - 1, 0) if window else None,
-        )
+        return _cudnn_attention(q, k, v, window, documents, max_documents)
     chunk = seq if context == 1 else seq // (2 * context)  # the runs of consecutive positions
     if impl == "local" and window and seq > window and chunk % window == 0:
         return _local_attention(q, k, v, window, documents, context)
@@ -382,6 +372,71 @@ def attention(
     mask = mask.reshape((*mask.shape[:-2], 1, 1, seq, seq))  # batch kv_heads group seq seq
     probs = masked_softmax(scores, mask).astype(v.dtype)
     return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
+
+
+def _cudnn_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    window: int | None,
+    documents: Int[Array, "batch seq"] | None,
+    max_documents: int,
+) -> Float[Array, "batch seq heads head_dim"]:
+    # cuDNN's flash attention (GPUs). Packed rows take its packed layout: each document of a row is a segment
+    # (its start and length, document_segments) that cuDNN attends causally, and within the window, from the
+    # segment's own start: the document mask without a "seq seq" mask array. JAX exposes that layout only in
+    # its cuDNN module (jax.nn.dot_product_attention takes one length a row), and compiles it for a static
+    # most segments a row (max_documents), which sizes cuDNN's softmax statistics.
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"Compute.attention 'cudnn' needs bf16 or fp16 compute, got {q.dtype}: expected "
+            "Compute.dtype bfloat16, or another Compute.attention"
+        )
+    if documents is None:
+        local = (window - 1, 0) if window else None
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn", local_window_size=local
+        )
+    if max_documents < 1:
+        raise ValueError(
+            "Compute.attention 'cudnn' with packed documents compiles for a most documents a row: expected "
+            "Compute.max_documents >= 1 (train.py counts them in the data)"
+        )
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    if k.shape[-2] < q.shape[-2]:
+        # JAX 0.10.2 scales the key offsets by the query's heads (fixed by jax-ml/jax#39521): give the keys
+        # and values as many heads as the queries, query head h reading kv head h // group as elsewhere.
+        k, v = (jnp.repeat(x, q.shape[-2] // k.shape[-2], axis=-2) for x in (k, v))
+    offsets, lengths = document_segments(documents, max_documents)
+    return cudnn.dot_product_attention(
+        q,
+        k,
+        v,
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=cudnn.MaskType.PADDING_CAUSAL,
+        sliding_window_length=window,  # keys (s - window, s], as the reference's s - t < window
+    )
+
+
+def document_segments(
+    documents: Int[Array, "batch seq"], most: int
+) -> tuple[Int[Array, "batch most_plus_one"], Int[Array, "batch most"]]:
+    """Packed rows' documents (each a run of equal numbers; the padding one of them) as cuDNN's packed layout
+    takes them: each document's first position, then -1 to `most` + 1 entries; each document's length, then
+    -1 to `most`. A row of more than `most` documents is not caught here (train.py checks the data)."""
+    seq = documents.shape[-1]
+    starts = jnp.concatenate(
+        [jnp.ones_like(documents[:, :1], bool), documents[:, 1:] != documents[:, :-1]], -1
+    )
+    offsets = jax.vmap(lambda row: jnp.nonzero(row, size=most + 1, fill_value=-1)[0])(starts)
+    ends = jnp.where(offsets[:, 1:] >= 0, offsets[:, 1:], seq)
+    lengths = jnp.where(offsets[:, :-1] >= 0, ends - offsets[:, :-1], -1)
+    return offsets.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
 def _local_attention(
@@ -762,7 +817,12 @@ class Olmo3(eqx.Module):
         if context > 1:
             x = layout.constrain(x, ("batch", "seq", None))
         attend = functools.partial(
-            attention, impl=compute.attention, layout=layout, documents=documents, context=context
+            attention,
+            impl=compute.attention,
+            layout=layout,
+            documents=documents,
+            context=context,
+            max_documents=compute.max_documents,
         )
 
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the

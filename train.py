@@ -608,14 +608,30 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
     """The compute policy with the attention kernel decided for the mesh's devices; refused (FlagError) where
     the kernel cannot run what the recipe asks."""
     kernel = attention_kernel(cfg, mesh.devices.flat[0].platform)
-    if cfg.pack_files and kernel == "cudnn":
-        raise FlagError(
-            "--pack_files: document masking is not on the cuDNN path yet; expected --attention local, "
-            "reference or splash"
-        )
     if mesh.shape["context"] > 1:
         check_context(cfg, mesh.shape["context"], kernel)
+    if cfg.pack_files and kernel == "cudnn" and cfg.dry_run and not cfg.compute.max_documents:
+        raise FlagError(
+            "--max_documents 0: cuDNN's packed attention compiles for a most documents a row, which a run "
+            "counts in its data and a dry run has none of; expected --max_documents N (the padding one of them)"
+        )
     return dataclasses.replace(cfg.compute, attention=kernel)
+
+
+def documents_bound(cfg: TrainConfig, compute: olmo3.Compute, loader) -> olmo3.Compute:
+    """`compute` with cuDNN's bound on a packed row's documents (Compute.max_documents): --max_documents,
+    refused below the data's most, or (0) the data's most, counted before anything compiles."""
+    if compute.attention != "cudnn" or not cfg.pack_files or loader is None:
+        return compute
+    most, given = loader.packed.most_documents(), compute.max_documents
+    if given and most > given:
+        raise FlagError(
+            f"--max_documents {given}: the packed data has a row of {most} documents (the padding "
+            f"one of them); expected at least {most}, or 0 (the data's most)"
+        )
+    bound = given or most
+    say(f"cuDNN packed attention: compiled for up to {bound} documents a row ({most} in the data)")
+    return dataclasses.replace(compute, max_documents=bound)
 
 
 def check_context(cfg: TrainConfig, n: int, kernel: str) -> None:
@@ -764,6 +780,7 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     loader = None if files is None else make_loader(cfg, model_cfg, files, kw)
     if loader is not None:
         cfg = one_epoch_where_asked(cfg, loader.num_batches)
+        compute = documents_bound(cfg, compute, loader)
     eval_sets = padded_eval_sets(held_out, model_cfg, cfg.seq_len, dtype)
     if cfg.eval_only:
         check_eval_only(cfg, eval_sets)
@@ -1310,7 +1327,7 @@ def main(cfg: TrainConfig) -> int:
         start, model, opt, key = restore_or_init(run)
         run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
         if cfg.eval_only or start < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
-            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro)
+            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, run.compute, n_micro)
             run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
         if cfg.eval_only:
             evaluate(run, start, model)
@@ -1443,9 +1460,10 @@ def check(cfg: TrainConfig) -> None:
         raise FlagError(f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'")
     if cfg.wandb_run and not cfg.wandb:
         raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
-    if not cfg.pack_files and (cfg.positions != "row" or cfg.file_seed >= 0):
-        named = f"--positions {cfg.positions}" if cfg.positions != "row" else f"--file_seed {cfg.file_seed}"
-        raise FlagError(f"{named}: goes with --pack_files N (documents packed into rows)")
+    values = dataclasses.asdict(cfg) | dataclasses.asdict(cfg.compute)
+    for name, unset in [("positions", "row"), ("file_seed", -1), ("max_documents", 0)]:
+        if not cfg.pack_files and values[name] != unset:
+            raise FlagError(f"--{name} {values[name]}: goes with --pack_files N (documents packed into rows)")
     if 0 < cfg.yarn <= 1:
         raise FlagError(
             f"--yarn {cfg.yarn}: expected a factor above 1 (the context grows by it), or 0 (none)"

@@ -63,6 +63,18 @@ ROWS = [
     ("gpu", "7b h200x8 --microbatch 2"),
     ("gpu", "7b h200x8 --microbatch 1 --remat save_attention"),
     ("gpu", "7b h100x8 --microbatch 1"),
+    # Stage 3 on GPU hosts: cuDNN's packed layout, compiled for --max_documents documents a row (a real run
+    # counts them in its data; what a row of the longmino mix holds is not known here: 64 and 256 bracket it).
+    ("gpu-long-context", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64"),
+    ("gpu-long-context", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 2"),
+    ("gpu-long-context", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 256 --microbatch 1"),
+    (
+        "gpu-long-context",
+        "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1 --remat save_attention",
+    ),
+    ("gpu-long-context", "7b-long-context h200x8 --mesh=fsdp=4,tensor=2 --max_documents 64 --microbatch 1"),
+    ("gpu-long-context", "7b-long-context h100x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
+    ("gpu-long-context", "7b-long-context h100x8 --mesh=fsdp=4,tensor=2 --max_documents 64 --microbatch 1"),
 ]
 
 

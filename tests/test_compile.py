@@ -233,29 +233,47 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
 # rerun these with: pip install -e ".[gpu,test]" && pytest tests/test_compile.py -k gpu
 
 
-def gpu_compile(topology: str, mesh_spec: str, head_layout: str = ""):
+def gpu_compile(topology: str, mesh_spec: str, head_layout: str = "", kv_heads: int = 0, **packing):
+    """The tiny step compiled for GPUs: how many cuDNN attention calls forward and backward, and (packed rows)
+    the documents a row each call was compiled for."""
     pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
     target = shard.compile_target(topology)
     mesh = shard.make_mesh(mesh_spec, list(target.devices))
+    compute = olmo3.Compute("bfloat16", "auto", max_documents=packing.pop("max_documents", 0))
     cfg = dataclasses.replace(
-        train.PRESETS["tiny"], seq_len=512, head_layout=head_layout, compute=olmo3.Compute("bfloat16", "auto")
+        train.PRESETS["tiny"], seq_len=512, head_layout=head_layout, compute=compute, **packing
     )
     compute = train.compute_policy(cfg, mesh)
     assert compute.attention == "cudnn"  # chosen for the devices compiled for, not for this CPU
-    compiled, _ = train.compile_step(cfg, mesh, train.model_config(cfg), compute, n_micro=1)
+    model_cfg = train.model_config(cfg)
+    model_cfg = dataclasses.replace(model_cfg, n_kv_heads=kv_heads) if kv_heads else model_cfg
+    compiled, _ = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)
     hlo = compiled.as_text()
-    return {k: hlo.count(f'custom_call_target="__cudnn${k}"') for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")}
+    calls = {
+        k: hlo.count(f'custom_call_target="__cudnn${k}"') for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")
+    }
+    return calls, set(map(int, re.findall(r'max_seg_per_batch\\?":\s*(\d+)', hlo)))
 
 
 @pytest.mark.parametrize("topology,mesh_spec", [("h200x1", "fsdp=1"), ("h200x8", "fsdp=4,tensor=2")])
 def test_gpu_train_step_compiles_with_cudnn_sliding_window_attention(topology, mesh_spec):
     # One group of 4 layers in the scan: 4 cuDNN attention calls forward and 4 backward.
-    assert gpu_compile(topology, mesh_spec) == {"fmhaSoftmax": 4, "fmhaSoftmaxBackward": 4}
+    assert gpu_compile(topology, mesh_spec) == ({"fmhaSoftmax": 4, "fmhaSoftmaxBackward": 4}, {1})
+
+
+@pytest.mark.parametrize("topology,mesh_spec", [("h200x1", "fsdp=1"), ("h200x8", "fsdp=4,tensor=2")])
+@pytest.mark.parametrize("kv_heads", [0, 2])  # the preset's heads; grouped-query attention (2 kv heads of 4)
+def test_gpu_packed_rows_compile_to_cudnn_s_packed_layout(topology, mesh_spec, kv_heads):
+    """Packed rows (stage 3) on cuDNN: every attention call, sliding and full, forward and backward, in the
+    packed layout compiled for the bound on a row's documents. What cuDNN computes of it only a GPU shows; the
+    segments it is given are checked against the document mask in tests/test_long_context.py."""
+    got = gpu_compile(topology, mesh_spec, kv_heads=kv_heads, pack_files=2, max_documents=5)
+    assert got == ({"fmhaSoftmax": 4, "fmhaSoftmaxBackward": 4}, {5})
 
 
 def test_gpu_head_dim_256_is_allowed_as_on_hopper():
     """JAX asks the default backend (this CPU) whether the GPU is a Hopper; the target answers instead."""
-    assert gpu_compile("h100x1", "fsdp=1", head_layout="1x256") == {
+    assert gpu_compile("h100x1", "fsdp=1", head_layout="1x256")[0] == {
         "fmhaSoftmax": 4,
         "fmhaSoftmaxBackward": 4,
     }

@@ -726,6 +726,7 @@ def test_packed_instances_are_olmo_cores(tmp_path, group_size):
         np.testing.assert_array_equal(mask, want["label_mask"].numpy())
         np.testing.assert_array_equal(doc_lens, want["doc_lens"].numpy())
     assert sum(int(m.sum()) for m in (ours.instance(i)[1] for i in range(len(ours)))) > 0.9 * len(ours) * seq
+    assert ours.most_documents() == max(len(ref[i]["doc_lens"]) for i in range(len(ref)))  # cuDNN's bound
 
 
 def test_packed_loader_is_olmo_cores(tmp_path):

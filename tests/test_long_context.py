@@ -164,13 +164,82 @@ def test_a_stage2_run_goes_on_into_stage3_with_yarn_and_the_longer_context(small
             np.testing.assert_array_equal(a, b)
 
 
+# ---- cuDNN's packed layout (GPUs): the segments it is given, against the document mask
+
+
+def mask_of_segments(offsets: np.ndarray, lengths: np.ndarray, seq: int, window: int | None) -> np.ndarray:
+    """The (query, key) pairs cuDNN's packed layout attends, as JAX documents it: each segment (a start and a
+    length; -1 an unused slot) alone, causal and (sliding layers) keys (s - window, s] from its own start."""
+    mask = np.zeros((seq, seq), bool)
+    for start, n in zip(offsets[:-1], lengths):
+        if n >= 0:
+            s, t = np.arange(n)[:, None], np.arange(n)[None, :]
+            mask[start : start + n, start : start + n] = (t <= s) & (s - t < (window or seq))
+    return mask
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_cudnn_s_segments_are_the_document_mask(window):
+    """olmo3.document_segments turns packed rows' documents into cuDNN's segments: what they attend is the
+    reference's document mask (olmo3.causal_mask and the same document), every position in one segment, the
+    unused slots -1. A row may hold fewer documents than the bound, or exactly as many."""
+    seq, most = 48, 6  # packed_rows' rows
+    documents = packed_rows(vocab=50, seq=seq, eos=1, pad=0)[2]
+    rng = np.random.default_rng(0)
+    cuts = [np.sort(rng.choice(np.arange(1, seq), n - 1, replace=False)) for n in (most, 1, 3)]
+    documents = np.concatenate(
+        [documents, [np.repeat(np.arange(len(c) + 1), np.diff(c, prepend=0, append=seq)) for c in cuts]]
+    )
+    offsets, lengths = map(
+        np.asarray, jax.jit(olmo3.document_segments, static_argnums=1)(jnp.asarray(documents), most)
+    )
+    assert offsets.shape == (len(documents), most + 1) and lengths.shape == (len(documents), most)
+    for row, starts, n in zip(documents, offsets, lengths):
+        want = np.asarray(olmo3.causal_mask(seq, window)) & (row[:, None] == row[None, :])
+        np.testing.assert_array_equal(mask_of_segments(starts, n, seq, window), want)
+        used = len(np.unique(row))
+        assert n[:used].sum() == seq and (n[used:] == -1).all() and (starts[used:] == -1).all()
+
+
+def test_cudnn_s_bound_on_documents_is_counted_in_the_data_and_refused_below_it(tmp_path):
+    """train.documents_bound: --max_documents 0 compiles cuDNN's packed layout for the data's most documents
+    a row (the padding one of them, as the loader numbers them); a bound below it is one line, before compiling."""
+    from test_data import packed_files
+
+    loader = data.PackedLoader(
+        packed_files(tmp_path, eos=1), 64, 4, eos_id=1, pad_id=0, group_size=2, seed=1, dtype=np.uint16
+    )
+    most = max(int(loader.global_batch(i)[2].max(initial=0)) + 1 for i in range(loader.num_batches))
+    cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=64, pack_files=2)
+    cudnn = olmo3.Compute("bfloat16", "cudnn")
+    assert (
+        train.documents_bound(cfg, cudnn, loader).max_documents == loader.packed.most_documents() >= most > 2
+    )
+    assert (
+        train.documents_bound(cfg, dataclasses.replace(cudnn, max_documents=99), loader).max_documents == 99
+    )
+    low = dataclasses.replace(cudnn, max_documents=2)
+    with pytest.raises(
+        train.FlagError,
+        match=f"^--max_documents 2: the packed data has a row of {loader.packed.most_documents()} documents",
+    ):
+        train.documents_bound(cfg, low, loader)
+    assert train.documents_bound(
+        cfg, dataclasses.replace(low, attention="local"), loader
+    ) == dataclasses.replace(low, attention="local")
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--positions", "document"], "--positions document: goes with --pack_files N"),
         (["--file_seed", "123"], "--file_seed 123: goes with --pack_files N"),
         (["--yarn", "0.5"], "--yarn 0.5: expected a factor above 1"),
-        (["--pack_files", "8", "--attention", "cudnn"], "--pack_files: document masking is not on the cuDNN"),
+        (["--max_documents", "4"], "--max_documents 4: goes with --pack_files N"),
+        (
+            ["--pack_files", "8", "--attention", "cudnn", "--dtype", "bfloat16", "--dry_run"],
+            "--max_documents 0: cuDNN's packed attention compiles for a most documents a row",
+        ),
         (["--mesh", "context=3"], "--mesh context=3 (context=3): --seq_len 256 does not split into 6 equal"),
         (
             ["--mesh", "context=8"],
