@@ -375,13 +375,13 @@ def attention(
 
 
 def _cudnn_attention(
-    q: Float[Array, "batch seq heads head_dim"],
-    k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
     window: int | None,
-    documents: Int[Array, "batch seq"] | None,
+    documents: Int[Array, "*batch seq"] | None,
     max_documents: int,
-) -> Float[Array, "batch seq heads head_dim"]:
+) -> Float[Array, "*batch seq heads head_dim"]:
     # cuDNN's flash attention (GPUs). Packed rows take its packed layout: each document of a row is a segment
     # (its start and length, document_segments) that cuDNN attends causally, and within the window, from the
     # segment's own start: the document mask without a "seq seq" mask array. JAX exposes that layout only in
