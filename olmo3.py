@@ -47,6 +47,7 @@ REMAT_POLICIES = {
 }
 # The attention paths; all compute the maths of `attention`'s reference path (see attention()).
 ATTENTION_KERNELS = ("reference", "local", "cudnn", "splash")
+QUERY_BLOCK = 2048  # the "local" path takes a longer row's full layers this many queries at a time
 DTYPES = ("float32", "bfloat16")
 
 
@@ -359,19 +360,60 @@ def attention(
     chunk = seq if context == 1 else seq // (2 * context)  # the runs of consecutive positions
     if impl == "local" and window and seq > window and chunk % window == 0:
         return _local_attention(q, k, v, window, documents, context)
+    if impl == "local" and context == 1 and seq > QUERY_BLOCK and seq % QUERY_BLOCK == 0:
+        return _query_blocks_attention(q, k, v, documents, QUERY_BLOCK)  # a full layer of a long row
     if impl == "splash":
         return _splash_attention(q, k, v, window, layout, documents, context)
     if context > 1:  # each device's queries against every key of the row (what a full layer needs)
         k, v = (layout.constrain(x, ("batch", None, "kv_heads", "head_dim")) for x in (k, v))
-    n_kv = k.shape[-2]
-    qg = q.reshape(*batch, seq, n_kv, n_heads // n_kv, head_dim)
-    scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
     mask = causal_mask(seq, window, context).reshape((1,) * len(batch) + (seq, seq))
     if documents is not None:
         mask = mask & (documents[..., :, None] == documents[..., None, :])
-    mask = mask.reshape((*mask.shape[:-2], 1, 1, seq, seq))  # batch kv_heads group seq seq
-    probs = masked_softmax(scores, mask).astype(v.dtype)
-    return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(*batch, seq, n_heads, head_dim)
+    return _softmax_attention(q, k, v, mask)
+
+
+def _softmax_attention(
+    q: Float[Array, "*batch queries heads head_dim"],
+    k: Float[Array, "*batch keys kv_heads head_dim"],
+    v: Float[Array, "*batch keys kv_heads head_dim"],
+    mask: Bool[Array, "*#batch queries keys"],
+) -> Float[Array, "*batch queries heads head_dim"]:
+    """Softmax attention of the queries to the keys `mask` allows, scores and softmax in fp32; query head h
+    reads kv head h // (heads / kv_heads)."""
+    *batch, n_queries, n_heads, head_dim = q.shape
+    n_kv = k.shape[-2]
+    qg = q.reshape(*batch, n_queries, n_kv, n_heads // n_kv, head_dim)
+    scores = jnp.einsum("...skgh,...tkh->...kgst", qg, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+    probs = masked_softmax(scores, jnp.expand_dims(mask, (-3, -4))).astype(v.dtype)  # kv_heads, group
+    return jnp.einsum("...kgst,...tkh->...skgh", probs, v).reshape(q.shape)
+
+
+def _query_blocks_attention(
+    q: Float[Array, "*batch seq heads head_dim"],
+    k: Float[Array, "*batch seq kv_heads head_dim"],
+    v: Float[Array, "*batch seq kv_heads head_dim"],
+    documents: Int[Array, "*batch seq"] | None,
+    block: int,
+) -> Float[Array, "*batch seq heads head_dim"]:
+    # A full layer `block` queries at a time, each block against every key of the row under the causal (and
+    # document) mask: the reference's softmax with "block seq" scores instead of "seq seq", each block's
+    # recomputed in the backward pass rather than kept. What lets a CPU take a 65,536-token row (the "seq seq"
+    # scores of 4 heads alone would be 64 GiB); twice the reference's work on the masked half is the price.
+    *batch, seq, n_heads, head_dim = q.shape
+    blocks = jnp.moveaxis(q.reshape(*batch, seq // block, block, n_heads, head_dim), -4, 0)
+
+    @jax.checkpoint
+    def one_block(args):
+        i, q_block = args
+        mask = jnp.arange(seq)[None, :] <= i * block + jnp.arange(block)[:, None]
+        mask = mask.reshape((1,) * len(batch) + (block, seq))
+        if documents is not None:
+            mine = jax.lax.dynamic_slice_in_dim(documents, i * block, block, axis=-1)
+            mask = mask & (mine[..., :, None] == documents[..., None, :])
+        return _softmax_attention(q_block, k, v, mask)
+
+    out = jax.lax.map(one_block, (jnp.arange(seq // block), blocks))
+    return jnp.moveaxis(out, 0, -4).reshape(q.shape)
 
 
 def _cudnn_attention(

@@ -621,7 +621,7 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
 def documents_bound(cfg: TrainConfig, compute: olmo3.Compute, loader) -> olmo3.Compute:
     """`compute` with cuDNN's bound on a packed row's documents (Compute.max_documents): --max_documents,
     refused below the data's most, or (0) the data's most, counted before anything compiles."""
-    if compute.attention != "cudnn" or not cfg.pack_files or loader is None:
+    if not cfg.pack_files or loader is None or compute.attention != "cudnn":
         return compute
     most, given = loader.packed.most_documents(), compute.max_documents
     if given and most > given:

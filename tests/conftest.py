@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 # Tests run on the CPU with 8 fake devices, so sharding can be checked; must be set before jax imports.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -7,6 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks itself to one process; -n 2 runs two
+# One compilation cache for the tests and the train.py processes they start: many compile the same tiny
+# steps. An entry is keyed on the program, the flags and the devices, so a hit is the executable XLA would
+# build; a size limit turns on the cache's file lock, which the two pytest workers need.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", f"{tempfile.gettempdir()}/olmo3-jax-tests-{os.getuid()}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 
