@@ -360,7 +360,8 @@ def attention(
     chunk = seq if context == 1 else seq // (2 * context)  # the runs of consecutive positions
     if impl == "local" and window and seq > window and chunk % window == 0:
         return _local_attention(q, k, v, window, documents, context)
-    if impl == "local" and context == 1 and seq > QUERY_BLOCK and seq % QUERY_BLOCK == 0:
+    full = not window or window >= seq
+    if impl == "local" and full and context == 1 and seq > QUERY_BLOCK and seq % QUERY_BLOCK == 0:
         return _query_blocks_attention(q, k, v, documents, QUERY_BLOCK)  # a full layer of a long row
     if impl == "splash":
         return _splash_attention(q, k, v, window, layout, documents, context)
@@ -398,7 +399,7 @@ def _query_blocks_attention(
     # A full layer `block` queries at a time, each block against every key of the row under the causal (and
     # document) mask: the reference's softmax with "block seq" scores instead of "seq seq", each block's
     # recomputed in the backward pass rather than kept. What lets a CPU take a 65,536-token row (the "seq seq"
-    # scores of 4 heads alone would be 64 GiB); twice the reference's work on the masked half is the price.
+    # scores of 4 heads alone would be 64 GiB), for the reference's work (it too computes the masked half).
     *batch, seq, n_heads, head_dim = q.shape
     blocks = jnp.moveaxis(q.reshape(*batch, seq // block, block, n_heads, head_dim), -4, 0)
 

@@ -93,17 +93,20 @@ def dry_run(row: str) -> dict:
             text=True,
         )
     result = {"row": row, "exit": out.returncode, "seconds": round(time.perf_counter() - t0)}
-    text = out.stdout
-    result.update(
-        {m[0].strip(): float(m[1]) for m in re.findall(r"^  (.{26}) +([\d.]+) GiB$", text, re.MULTILINE)}
-    )
-    if m := re.search(r"^dry run: .*$", text, re.MULTILINE):
-        result["setup"] = m.group(0)
-    if m := re.search(r"^(fits.*|does not fit.*)$", text, re.MULTILINE):
-        result["verdict"] = m.group(1)
+    result.update(report(out.stdout))
     if out.returncode not in (0, 1) or "verdict" not in result:
-        result["error"] = (out.stderr or text)[-1500:]
+        result["error"] = (out.stderr or out.stdout)[-1500:]
     return result
+
+
+def report(text: str) -> dict:
+    """What train.py --dry_run printed: its memory rows (GiB by name), its set-up line and its verdict."""
+    found = {m[0].strip(): float(m[1]) for m in re.findall(r"^  (.{26}) +([\d.]+) GiB$", text, re.MULTILINE)}
+    if m := re.search(r"^dry run: .*$", text, re.MULTILINE):
+        found["setup"] = m.group(0)
+    if m := re.search(r"^(fits.*|does not fit.*)$", text, re.MULTILINE):
+        found["verdict"] = m.group(1)
+    return found
 
 
 def table_row(r: dict) -> str:

@@ -33,12 +33,14 @@ def test_speed_gpu_path_runs_through_at_a_cpu_s_size():
     assert "\ndeterminism: losses " in out
 
 
-@pytest.mark.slow
-def test_dry_run_prints_one_row_of_its_table():
-    out = bench("dry_run.py", "--row", "tiny v5litepod-4").splitlines()
+def test_dry_run_prints_a_row_train_py_refuses_as_an_error_in_its_table():
+    """bench/dry_run.py end to end on a row train.py refuses at once (a row that compiles: tests/test_compile.py
+    reads a TPU dry run's report with dry_run.report and writes its table row)."""
+    out = bench("dry_run.py", "--row", "tiny v5litepod-4 --no_such_flag 1").splitlines()
     assert out[0].startswith("| preset | slice | flags |") and out[1].startswith("|---|")
     row = out[2].split(" | ")
-    assert row[:3] == ["| tiny", "v5litepod-4", "preset defaults"] and row[7].startswith("fits, with"), out
+    assert row[:3] == ["| tiny", "v5litepod-4", "--no_such_flag 1"], out
+    assert row[7] == "error: error: unknown flag --no_such_flag; see --help", out
 
 
 def test_data_speed_prints_every_row():

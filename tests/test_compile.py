@@ -227,6 +227,18 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     for need in map(float, evals.values()):
         assert rows["parameters (fp32)"] < need < rows["total"] - rows["optimizer state (fp32)"]
     assert not (tmp_path / "run").exists()  # it only compiles
+    # bench/dry_run.py's table row of this report: what it read is what was printed.
+    sys.path.insert(0, str(ROOT / "bench"))
+    import dry_run
+
+    found = dry_run.report(out.stdout)
+    row = dry_run.table_row(
+        {"row": "tiny v5litepod-4 --mesh=fsdp=2,tensor=2 --dtype bfloat16", "seconds": 9, **found}
+    )
+    state = rows["parameters (fp32)"] + rows["optimizer state (fp32)"]
+    want = ["| tiny", "v5litepod-4", "--mesh=fsdp=2,tensor=2 --dtype bfloat16", f"{state:.1f}"]
+    want += [f"{rows[k]:.1f}" for k in ("activations + temporaries", "total", "HBM")]
+    assert row.split(" | ") == [*want, f"fits, with {spare:.1f} GiB to spare", "9 |"], row
 
 
 # ---- NVIDIA GPUs: the CUDA plugin's compile-only devices. The plugin is 2.5 GB, so CI does not install it;

@@ -157,26 +157,25 @@ def test_local_attention_gradients_equal_the_reference():
 
 def test_long_rows_full_layers_a_block_of_queries_at_a_time_equal_brute_force(monkeypatch):
     """The "local" path takes a long row's full layers QUERY_BLOCK queries at a time (what lets a CPU read a
-    65,536-token row): brute force forward, with and without documents; the reference's gradients."""
+    65,536-token row): brute force forward, with and without documents, and a sliding window that is not
+    whole blocks kept; the reference's gradients."""
     monkeypatch.setattr(olmo3, "QUERY_BLOCK", 4)  # 12 positions: 3 blocks, documents across their edges
     rng = np.random.default_rng(6)
-    q, k, v, g = (rng.standard_normal((2, 12, n, 8)).astype(np.float32) for n in (4, 2, 2, 4))
+    q, k, v, g = (jnp.asarray(rng.standard_normal((2, 12, n, 8)), jnp.float32) for n in (4, 2, 2, 4))
     documents = np.stack([DOCUMENTS, np.zeros(12, int)])
-    for docs in (None, documents):
+    for window, docs in [(None, None), (None, documents), (5, documents)]:
         ours = olmo3.attention(
-            *map(jnp.asarray, (q, k, v)), None, "local", documents=docs if docs is None else jnp.asarray(docs)
+            q, k, v, window, "local", documents=None if docs is None else jnp.asarray(docs)
         )
         for row in range(2):
-            want = brute_force_attention(q[row], k[row], v[row], None, None if docs is None else docs[row])
+            want = brute_force_attention(
+                *(np.asarray(x[row]) for x in (q, k, v)), window, None if docs is None else docs[row]
+            )
             np.testing.assert_allclose(np.asarray(ours[row]), want, rtol=1e-5, atol=1e-6)
-    grads = {
-        impl: jax.vjp(lambda *a: olmo3.attention(*a, None, impl, documents=jnp.asarray(documents)), q, k, v)[
-            1
-        ](g)
-        for impl in ("reference", "local")
-    }
-    for ref, local in zip(grads["reference"], grads["local"], strict=True):
-        np.testing.assert_allclose(local, ref, rtol=1e-5, atol=1e-5)
+    attend = lambda impl: lambda *a: olmo3.attention(*a, None, impl, documents=jnp.asarray(documents))
+    want, got = (jax.vjp(attend(impl), q, k, v)[1](g) for impl in ("reference", "local"))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_splash_kernel_equals_reference():
