@@ -7,6 +7,7 @@ raise:S         an exception (a bug) in step S
 during_save:S   SIGKILL while checkpoint S is being written in the background
 after_commit:S  SIGKILL right after checkpoint S is committed
 disk_full:S     from checkpoint S on, no file may grow past 1 MB (writes fail as on a full disk)
+hold:S          after step S, wait until the file named by $FAULT_GO exists (another process's turn, for sure)
 none:0          no fault
 """
 
@@ -14,6 +15,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -35,6 +37,8 @@ def take_step(run, step, *args, **kwargs):
         kill()
     if moment == "raise" and step == at:
         raise RuntimeError("injected")
+    while moment == "hold" and step == at and not Path(os.environ["FAULT_GO"]).exists():
+        time.sleep(0.05)
     return out
 
 

@@ -328,11 +328,13 @@ def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(env, tiny_data, re
 
 @pytest.mark.slow
 def test_a_second_process_on_the_run_directory_is_refused_at_once(env, tiny_data, reference, tmp_path):
-    first = run(env, tmp_path, tiny_data, wait=False)
+    go = tmp_path.parent / f"{tmp_path.name}.go"  # the first run holds after step 5 until this exists
+    first = run(dict(env, FAULT_GO=str(go)), tmp_path, tiny_data, fault="hold:5", wait=False)
     wait_for_steps(tmp_path, 2, first)
     t0 = time.time()
     second = run(env, tmp_path, tiny_data)
-    assert second.returncode == 1 and time.time() - t0 < 60
+    go.touch()
+    assert second.returncode == 1 and time.time() - t0 < 60, second.stdout[-2000:]
     assert (
         second.stderr.strip()
         .splitlines()[-1]
