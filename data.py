@@ -595,7 +595,7 @@ class PackedInstances:
     def most_documents(self) -> int:
         """The most documents any instance holds, its padding one more (what instance()'s lengths count):
         each span is one document, EOS-terminated or cut to seq_len (then alone)."""
-        return max(len(s) + int(sum(s[:, 2] - s[:, 1]) < self.seq_len) for s in self.spans)
+        return max(len(s) + int((s[:, 2] - s[:, 1]).sum() < self.seq_len) for s in self.spans)
 
     def where(self, i: int, t: int) -> tuple[str, int]:
         """The file position t of instance i was read from, and its offset there (in tokens)."""

@@ -495,29 +495,23 @@ def _local_attention(
     # without the "seq seq" scores, of which all but ~2 * window per query are masked to an exact zero anyway.
     # Split over a context axis (balanced order), a device needs one block from each neighbour
     # (_blocks_before), never the whole row.
-    # Shapes after `*batch`: q_blocks "blocks window kv_heads group head_dim", k_blocks and v_blocks
-    # "blocks window kv_heads head_dim", k_reach and v_reach "blocks keys kv_heads head_dim" (2 * window
-    # keys: the block before, then this one), scores and probs "blocks kv_heads group window keys".
+    # Shapes after `*batch`: q_blocks "blocks window heads head_dim", k_reach and v_reach "blocks keys kv_heads
+    # head_dim" (2 * window keys: the block before, then this one), mask "blocks window keys".
     *batch, seq, n_heads, head_dim = q.shape
-    n_kv, n_blocks = k.shape[-2], seq // window
+    n_blocks = seq // window
     position = balanced_order(seq, context).reshape(n_blocks, window)
-    q_blocks = q.reshape(*batch, n_blocks, window, n_kv, n_heads // n_kv, head_dim)
-    k_blocks, v_blocks = (x.reshape(*batch, n_blocks, window, n_kv, head_dim) for x in (k, v))
+    blocks = lambda x: x.reshape(*batch, n_blocks, window, *x.shape[len(batch) + 1 :])
     reach = lambda x, axis: jnp.concatenate([_blocks_before(x, axis, context, jnp), x], axis=axis + 1)
-    k_reach, v_reach = reach(k_blocks, -4), reach(v_blocks, -4)
-    scores = jnp.einsum("...iskgh,...itkh->...ikgst", q_blocks, k_reach, preferred_element_type=jnp.float32)
+    k_reach, v_reach = reach(blocks(k), -4), reach(blocks(v), -4)
     s = position[:, :, None]  # the queries' and the reach's keys' positions in the row
     t = np.concatenate([_blocks_before(position, 0, context, np), position], axis=1)[:, None, :]
     first = (position[:, :1, None] == 0) & (np.arange(2 * window) < window)  # the row's first block has none
     mask = (t <= s) & (s - t < window) & ~first
-    mask = jnp.asarray(mask.reshape((1,) * len(batch) + (n_blocks, 1, 1, window, 2 * window)))
+    mask = jnp.asarray(mask.reshape((1,) * len(batch) + (n_blocks, window, 2 * window)))
     if documents is not None:  # each block's queries' documents against its reach's keys'
-        d_blocks = documents.reshape(*batch, n_blocks, window)
-        d_reach = reach(d_blocks, -2)
-        mask = mask & (d_blocks[..., :, None] == d_reach[..., None, :])[..., :, None, None, :, :]
-    probs = masked_softmax(scores * head_dim**-0.5, mask).astype(v.dtype)
-    out = jnp.einsum("...ikgst,...itkh->...iskgh", probs, v_reach)
-    return out.reshape(*batch, seq, n_heads, head_dim)
+        d_blocks = blocks(documents)
+        mask = mask & (d_blocks[..., :, None] == reach(d_blocks, -2)[..., None, :])
+    return _softmax_attention(blocks(q), k_reach, v_reach, mask).reshape(q.shape)
 
 
 def _blocks_before(x, axis: int, context: int, xp):
