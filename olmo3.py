@@ -49,6 +49,7 @@ REMAT_POLICIES = {
 ATTENTION_KERNELS = ("reference", "local", "cudnn", "splash")
 QUERY_BLOCK = 2048  # the "local" path takes a longer row's full layers this many queries at a time
 DTYPES = ("float32", "bfloat16")
+FP8_RECIPES = ("", "tensorwise")  # Compute.fp8: off, or torchao's tensorwise recipe (fp8_linear)
 
 
 @dataclass(frozen=True)
@@ -62,16 +63,19 @@ class Compute:
     scan_unroll: int = 1  # layer groups per scan iteration
     max_documents: int = 0  # packed rows (--pack_files) on cuDNN: the most documents a row holds (the
     # padding one), a static bound cuDNN's packed attention compiles for; 0: train.py counts the data's most
+    fp8: str = ""  # "tensorwise": the block linears in FP8 as AI2's stage 3 (fp8_linear); "": off
 
     def __post_init__(self):
         for name, allowed in [
             ("dtype", DTYPES),
             ("attention", ("auto",) + ATTENTION_KERNELS),
             ("remat", tuple(REMAT_POLICIES)),
+            ("fp8", FP8_RECIPES),
         ]:
             if getattr(self, name) not in allowed:
                 raise ValueError(
-                    f"Compute.{name} {getattr(self, name)!r}: expected one of {', '.join(allowed)}"
+                    f"Compute.{name} {getattr(self, name)!r}: expected one of "
+                    + ", ".join(a or "''" for a in allowed)
                 )
         if self.scan_unroll < 1:
             raise ValueError(f"Compute.scan_unroll {self.scan_unroll}: expected an integer >= 1")
@@ -245,6 +249,106 @@ def linear(
     k = math.prod(w.shape[:n_in])
     y = jnp.matmul(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=out_dtype)
     return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FP8 linears: AI2 trained OLMo 3 7B's stage 3 with torchao's Float8Linear on every block linear, the "tensorwise"
+# recipe (one scale per tensor, recomputed from the tensor at every call) with scales rounded down to powers of
+# two and the weights cast to fp8 before FSDP's all-gather. fp8_linear computes what that computes.
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2  # forward operands; gradients (wider range, less precision)
+AMAX_FLOOR = 1e-12  # torchao's: an all-zero tensor gets the scale of max|t| = 1e-12, not a division by zero
+
+
+def fp8_scale(t: Float[Array, "..."], dtype, power_of_2: bool) -> Float[Array, ""]:
+    """torchao's tensorwise scale of `t` for `dtype`: the format's largest value over max|t|, in fp32 (t * scale
+    fills the format's range); `power_of_2`: rounded down to a power of two, so that scaling is exact."""
+    fmax = float(jnp.finfo(dtype).max)  # 448 (e4m3fn), 57344 (e5m2)
+    amax = jnp.max(jnp.abs(t)).astype(jnp.float32)
+    # torchao divides in fp64 and rounds to fp32: the same as fp32's correctly rounded division. The floor is
+    # a constant here because fp32 cannot hold 1e-12 itself (np.float32(1e-12) < 1e-12). A NaN amax (a NaN
+    # in t) fails the test and makes a NaN scale, as in torchao.
+    scale = jnp.where(amax <= AMAX_FLOOR, np.float32(fmax / AMAX_FLOOR), fmax / amax)
+    if not power_of_2:
+        return scale
+    # 2^floor(log2(scale)) by clearing the mantissa bits: XLA:CPU's exp2 and log2 are not exact on powers of
+    # two. (torchao's fp32 log2 rounds a scale a few fp32 steps below 2^k up to k, so it takes 2^k there: about
+    # once in a million tensors.) A NaN scale (a NaN in t) stays NaN, as torchao's exp2(floor(log2(nan))), not
+    # the infinity the mask would make of it; an infinite t gives scale 0, as there.
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32) & np.uint32(0xFF800000)
+    return jnp.where(jnp.isnan(scale), scale, jax.lax.bitcast_convert_type(bits, jnp.float32))
+
+
+def fp8_quantize(t: Float[Array, "..."], scale: Float[Array, ""], dtype) -> Shaped[Array, "..."]:
+    """t * scale in `dtype`, rounded to nearest even and saturated at the format's largest value as torchao
+    does: XLA's conversion to e4m3fn does not saturate (it makes NaN of what overflows)."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(t.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
+
+
+def _fp8_dot(a, b, contract: tuple[int, int], scale, precision, dtype):
+    # An fp8 x fp8 matmul summed in fp32, then unscaled once: what cuBLAS's scaled fp8 GEMM does.
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    y = jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    return (y / scale).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1) -> Float[Array, "..."]:
+    """`linear(x, w, n_in)` as torchao's Float8Linear computes it under AI2's stage-3 settings (tensorwise,
+    scales of activations and gradients rounded to powers of two, fp8 all-gather of FSDP weights). `w` is the
+    fp32 master weight: under fp8 all-gather torchao casts it to e4m3 straight from fp32, with a scale from its
+    amax that is not rounded. x in e4m3 (its scale a power of two); y = x8 @ w8 summed in fp32 and divided by
+    both scales, in x's dtype. Backward: the output gradient g in e5m2 (one scale per call), then
+    grad x = g8 @ w8^T and grad w = x8^T @ g8, summed in fp32, each in x's dtype (FSDP reduces bf16 gradients;
+    the master's gradient is that, in fp32). The forward matmul uses cuBLAS's fast accumulation as torchao's
+    does (DEFAULT precision), the backward ones not (HIGHEST). The numbers of the fp8 all-gather, not its
+    traffic: the layer scan gathers the fp32 master before this casts it (as_used)."""
+    return _fp8_fwd(x, w, n_in)[0]
+
+
+def _fp8_fwd(x, w, n_in):
+    if w.dtype != jnp.float32:
+        raise ValueError(f"fp8_linear takes the fp32 master weight, got {w.dtype}")
+    k = math.prod(w.shape[:n_in])
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    sx, sw = fp8_scale(x2, E4M3, power_of_2=True), fp8_scale(w2, E4M3, power_of_2=False)
+    qx, qw = fp8_quantize(x2, sx, E4M3), fp8_quantize(w2, sw, E4M3)
+    y = _fp8_dot(qx, qw, (1, 0), sx * sw, jax.lax.Precision.DEFAULT, x.dtype)
+    # Keeps x and w in fp8 for the backward pass (torchao keeps x in bf16 and casts it again, to the same
+    # bits): a quarter of the fp32 weight's bytes, half of a bf16 activation's.
+    saved = (qx.reshape(x.shape), sx, qw.reshape(w.shape), sw)
+    return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:]), saved
+
+
+def _fp8_bwd(n_in, saved, g):
+    qx, sx, qw, sw = saved
+    k = math.prod(qw.shape[:n_in])
+    qx2, qw2 = qx.reshape(-1, k), qw.reshape(k, -1)
+    g2 = g.reshape(qx2.shape[0], qw2.shape[1])
+    sg = fp8_scale(g2, E5M2, power_of_2=True)
+    qg = fp8_quantize(g2, sg, E5M2)  # one cast, used by both matmuls
+    highest = jax.lax.Precision.HIGHEST
+    dx = _fp8_dot(qg, qw2, (1, 1), sg * sw, highest, g.dtype)
+    dw = _fp8_dot(qx2, qg, (0, 0), sx * sg, highest, jnp.float32)
+    # Rounded to g's precision (bf16) but kept in fp32: a cast down and back up would be one XLA may drop (it
+    # allows excess precision), as it does on GPUs, where the unscaling joins the GEMM.
+    bits = jnp.finfo(g.dtype)
+    dw = jax.lax.reduce_precision(dw, exponent_bits=bits.nexp, mantissa_bits=bits.nmant)
+    return dx.reshape(qx.shape), dw.reshape(qw.shape)
+
+
+fp8_linear.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def block_linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1, fp8: str = ""):
+    """A block's linear under Compute.fp8: in FP8 where fp8 GEMMs take the sizes (the contracted and the output
+    size multiples of 16: torchao's rule, which leaves other linears alone), else in x's dtype (Olmo3.as_used
+    leaves these weights in fp32 when fp8 is on)."""
+    k, n = math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:])
+    if fp8 == "tensorwise" and k % 16 == 0 and n % 16 == 0:
+        return fp8_linear(x, w, n_in)
+    return linear(x, w.astype(x.dtype), n_in)
 
 
 def rope_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
@@ -733,14 +837,15 @@ class Attention(eqx.Module):
         window: int | None,
         cfg: Olmo3Config,
         attend=attention,
+        dense=linear,  # the projections' matmul: linear, or block_linear under Compute.fp8
     ) -> Float[Array, "*batch seq embed"]:
-        q = rms_norm(linear(x, self.q_proj), self.q_norm, cfg.norm_eps)
-        k = rms_norm(linear(x, self.k_proj), self.k_norm, cfg.norm_eps)
-        v = linear(x, self.v_proj)
+        q = rms_norm(dense(x, self.q_proj), self.q_norm, cfg.norm_eps)
+        k = rms_norm(dense(x, self.k_proj), self.k_norm, cfg.norm_eps)
+        v = dense(x, self.v_proj)
         with jax.named_scope("attention"):
             out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window)
         out = checkpoint_name(out, "attention_out")
-        return linear(out, self.o_proj, n_in=2)
+        return dense(out, self.o_proj, n_in=2)
 
 
 class MLP(eqx.Module):
@@ -754,8 +859,8 @@ class MLP(eqx.Module):
         self.up_proj = trunc_normal(ku, (cfg.d_model, cfg.mlp_hidden), cfg.init_std)
         self.down_proj = trunc_normal(kd, (cfg.mlp_hidden, cfg.d_model), cfg.init_std)
 
-    def __call__(self, x: Float[Array, "*batch seq embed"]) -> Float[Array, "*batch seq embed"]:
-        return linear(jax.nn.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+    def __call__(self, x: Float[Array, "*batch seq embed"], dense=linear) -> Float[Array, "*batch seq embed"]:
+        return dense(jax.nn.silu(dense(x, self.gate_proj)) * dense(x, self.up_proj), self.down_proj)
 
 
 class Block(eqx.Module):
@@ -779,13 +884,16 @@ class Block(eqx.Module):
         window: int | None,
         cfg: Olmo3Config,
         attend=attention,
+        dense=linear,
     ) -> Float[Array, "*batch seq embed"]:
         # Reordered norm: normalise each sublayer's output, then add it to the residual stream.
         h = x + rms_norm(
-            self.self_attn(x, cos, sin, window, cfg, attend), self.post_attention_layernorm, cfg.norm_eps
+            self.self_attn(x, cos, sin, window, cfg, attend, dense),
+            self.post_attention_layernorm,
+            cfg.norm_eps,
         )
         with jax.named_scope("mlp"):
-            return h + rms_norm(self.mlp(h), self.post_feedforward_layernorm, cfg.norm_eps)
+            return h + rms_norm(self.mlp(h, dense), self.post_feedforward_layernorm, cfg.norm_eps)
 
 
 class Olmo3(eqx.Module):
@@ -816,9 +924,13 @@ class Olmo3(eqx.Module):
         """The weights as the layers use them. The dtype policy, in one place: fp32 master weights, cast
         to the compute dtype here (RMSNorm, RoPE, softmax and the logits still compute in fp32 inside).
         Then `layout` (shard.Layout, the mesh) places them: with FSDP it all-gathers each weight where it
-        is used, except the layer stack, which the scan gathers one layer at a time."""
+        is used, except the layer stack, which the scan gathers one layer at a time. Under Compute.fp8 the
+        block linears stay fp32: fp8_linear casts the master weight to fp8 itself, as torchao does (so the
+        scan gathers them in fp32, where AI2's FSDP gathers the fp8 bits)."""
         dtype = self.compute.dtype
         model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
+        if self.compute.fp8:
+            model = eqx.tree_at(block_linears, model, block_linears(self))
         return layout.gather(model) if layout is not None else model
 
     def features(
@@ -861,6 +973,7 @@ class Olmo3(eqx.Module):
             context=context,
             max_documents=compute.max_documents,
         )
+        dense = functools.partial(block_linear, fp8=compute.fp8) if compute.fp8 else linear
 
         # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
         # compiled program holds one group whatever the depth, and each layer's window is static.
@@ -872,7 +985,7 @@ class Olmo3(eqx.Module):
             for i, t in enumerate(types):
                 block = jax.tree.map(lambda w: w[i], blocks)
                 block = layout.gather(block) if layout is not None else block
-                x = block(x, *ropes[t], cfg.window(t), cfg, attend)
+                x = block(x, *ropes[t], cfg.window(t), cfg, attend, dense)
             return x, None
 
         if compute.remat != "none":
@@ -880,6 +993,13 @@ class Olmo3(eqx.Module):
         x, _ = jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)
         x = rms_norm(x, model.norm, cfg.norm_eps)
         return x if context == 1 else _row_order(x, context, x.ndim - 2)
+
+
+def block_linears(model: "Olmo3") -> list:
+    """The weights of the blocks' linears (the FP8 ones under Compute.fp8); not the LM head or the embedding,
+    which stay in the compute dtype, as in AI2's recipe."""
+    a, m = model.layers.self_attn, model.layers.mlp
+    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
 
 
 def _row_order(x: Shaped[Array, "..."], context: int, axis: int) -> Shaped[Array, "..."]:

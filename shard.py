@@ -246,6 +246,9 @@ def tpu_target(name: str, num_slices: int = 1) -> Target:
 # NVIDIA GPUs by the name a host type gives them (h200x8: eight H200s): what XLA's GPU compiler needs to
 # know of the chip (its GpuTargetConfigProto) and the JAX device kind. Memory in bytes as the chip reports
 # it; Hopper: 132 SMs of 2048 threads, 228 KiB shared memory (227 KiB per block), 64K registers, 50 MiB L2.
+# The CUDA versions are those the [gpu] extra's plugin (jax[cuda13]) is built for. XLA needs the runtime's:
+# its GEMM rewriter makes fp8 GEMMs only from CUDA 12.0, and a version stated nowhere reads as 0, so fp8
+# matmuls (olmo3.fp8_linear) would silently compile as fp16 GEMMs, the weight's fp8 rounding folded away.
 GPUS = {
     "h100": dict(kind="NVIDIA H100 80GB HBM3", memory=84_942_979_072, bandwidth=3_352_320_000_000, cc=(9, 0)),
     "h200": dict(
@@ -261,6 +264,7 @@ HOPPER = """gpu_device_info {{
   registers_per_core_limit: 65536  registers_per_block_limit: 65536  l2_cache_size: 52428800
   device_memory_size: {memory}  memory_bandwidth: {bandwidth}
   cuda_compute_capability {{ major: {cc[0]} minor: {cc[1]} }}
+  runtime_version: "13.0.0"  compile_time_toolkit_version: "13.0.0"  driver_version: "13.0.0"
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 10 }}
@@ -276,6 +280,13 @@ def gpu_target(name: str, hosts: int = 1) -> Target:
     checked and no GEMM autotuned: a step that compiles here may still be refused by cuDNN on the GPU, and
     cuDNN's workspace is not in the memory figures."""
     chip, _, count = name.lower().partition("x")
+    # Without the GPU nothing is autotuned and XLA compiles its GEMMs as Triton fusions by default; on the GPU
+    # the autotuner may pick cuBLAS instead. Off here, so that fp8 matmuls compile to cuBLASLt's fp8 GEMM, the
+    # kernel torchao's FP8 runs (fast accumulation exactly where olmo3.fp8_linear asks for it). XLA reads its
+    # flags once, when the first backend starts: this holds where nothing touched a device before (start()).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_triton_gemm" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_triton_gemm=false".strip()
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
     from jax.experimental import topologies
 
