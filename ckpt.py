@@ -1343,14 +1343,14 @@ def _tokenizer_files(run_dir: Path, meta: dict, cfg: Olmo3Config, name: str | No
 
 
 def preset_of(cfg: Olmo3Config) -> str | None:
-    """The olmo3.PRESETS name whose model `cfg` is (token ids and max length aside), if any."""
-    from olmo3 import PRESETS
+    """The olmo3.MODELS name whose model `cfg` is (token ids and max length aside), if any."""
+    from olmo3 import MODELS
 
     same = lambda a, b: (
         dataclasses.replace(a, max_seq_len=0, eos_token_id=0, pad_token_id=0)
         == dataclasses.replace(b, max_seq_len=0, eos_token_id=0, pad_token_id=0)
     )
-    return next((name for name, preset in PRESETS.items() if same(preset, cfg)), None)
+    return next((name for name, preset in MODELS.items() if same(preset, cfg)), None)
 
 
 def import_hf(hf_dir, run_dir) -> Olmo3Config:
@@ -1898,7 +1898,7 @@ def run_command(args) -> int:
     hint = (
         f"python train.py --preset {preset} --run_dir {args.run_dir} --data YOUR_TOKEN_FILES"
         if preset
-        else "no preset of train.py has this model's shape; add one to olmo3.PRESETS and train.PRESETS"
+        else "no preset of train.py has this model's shape; add one to olmo3.MODELS and train.PRESETS"
     )
     print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with:\n  {hint}")
     return 0

@@ -199,7 +199,7 @@ def _olmo3(*, n_layers: int, **fields) -> Olmo3Config:
 
 # OLMo-core's shapes (`TransformerConfig.olmo3_190M/1B/7B/32B`, tests/test_model.py compares them); `tiny` is
 # ours, sized for a 2-core CPU and the 8192-token Shakespeare tokenizer.
-PRESETS = {
+MODELS = {
     "tiny": _olmo3(
         n_layers=4,
         d_model=256,

@@ -105,8 +105,8 @@ OLMO3_TASKS = (
 class TrainConfig:
     """The run: every field is a flag, and its comment (with the comment lines right below it) its --help."""
 
-    preset: str = recipe("7b")  # the recipe below, and its model shape (olmo3.PRESETS) unless --model
-    model: str = ""  # the model (olmo3.PRESETS) if not the preset's own; a stage-2 preset names stage 1's
+    preset: str = recipe("7b")  # the recipe below, and its model shape (olmo3.MODELS) unless --model
+    model: str = ""  # the model (olmo3.MODELS) if not the preset's own; a stage-2 preset names stage 1's
     head_layout: str = recipe("")  # e.g. 16x256: heads x head_dim of the same width; a new model
     yarn: float = recipe(0.0, low=0)  # YaRN on the full-attention layers only, by this factor (stage 3: 8,
     # from the model's 8,192 tokens; beta_fast 32, beta_slow 1); the sliding layers keep plain RoPE. 0: none
@@ -210,7 +210,7 @@ class TrainConfig:
 
     @property
     def model_preset(self) -> str:
-        """The olmo3.PRESETS name of the model this recipe trains."""
+        """The olmo3.MODELS name of the model this recipe trains."""
         return self.model or self.preset
 
 
@@ -589,7 +589,7 @@ def attention_kernel(cfg: TrainConfig, platform: str) -> str:
 
 def model_config(cfg: TrainConfig, base: olmo3.Olmo3Config | None = None) -> olmo3.Olmo3Config:
     """The preset's model (or `base`) in this run's head layout, RoPE and sequence length."""
-    m = base or olmo3.PRESETS[cfg.model_preset]
+    m = base or olmo3.MODELS[cfg.model_preset]
     if cfg.head_layout:
         m = m.with_heads(*map(int, cfg.head_layout.split("x")))
     return extended_context(cfg, m)
@@ -706,7 +706,7 @@ def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -
 
 # ---------------------------------------------------------------------------------------------------------
 # The run, in named steps: start the devices, set up (data, run directory, restore or initialise), take a
-# step, log it, evaluate, save. The loop that calls them, train(), and main() follow; the command line
+# step, log it, evaluate, save. The loop that calls them, train_loop(), and main() follow; the command line
 # comes last.
 
 
@@ -1266,7 +1266,7 @@ def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
 # The run itself: the loop, then main(), which puts the run together.
 
 
-def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
+def train_loop(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
     """Steps start + 1 ... --steps, saving and evaluating on the way: (the model, whether a preemption
     stopped it early). Step k + 1 is dispatched before step k's numbers are read, so the host never keeps
     the devices waiting."""
@@ -1314,7 +1314,7 @@ def train(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
 
 
 def main(cfg: TrainConfig) -> int:
-    check(cfg)
+    check_flags(cfg)
     mesh, target = start_devices(cfg)
     model_cfg, compute = model_config(cfg), compute_policy(cfg, mesh)
     announce(cfg, mesh, model_cfg, compute)
@@ -1337,7 +1337,7 @@ def main(cfg: TrainConfig) -> int:
             ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
             run.log.open()
             trains = True
-            model, stopped = train(run, preemption, start, model, opt, key)
+            model, stopped = train_loop(run, preemption, start, model, opt, key)
         run.checkpoints.close()
         run.log.close()
     if trains and not stopped:
@@ -1440,7 +1440,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return cfg
 
 
-def check(cfg: TrainConfig) -> None:
+def check_flags(cfg: TrainConfig) -> None:
     """Refuse what no single field can, before anything is compiled or written: FlagError names the flags,
     the values and what would be accepted. (What needs the devices or the data is refused where they are
     first known: start_devices, microbatches, set_up.)"""
@@ -1470,8 +1470,8 @@ def check(cfg: TrainConfig) -> None:
         )
     if cfg.global_batch % cfg.dp_ranks:
         raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
-    if cfg.model_preset not in olmo3.PRESETS:
-        raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.PRESETS)}")
+    if cfg.model_preset not in olmo3.MODELS:
+        raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.MODELS)}")
     if cfg.tasks and not cfg.dry_run:
         check_tasks(cfg.tasks)
     try:  # the head layout must fit the preset's width

@@ -32,7 +32,7 @@ import train  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--preset", default="1b", choices=list(olmo3.PRESETS), help="the model cut to --layers"
+        "--preset", default="1b", choices=list(olmo3.MODELS), help="the model cut to --layers"
     )
     parser.add_argument(
         "--layers", type=int, default=9, help="layers of the preset (1b, 9: 1.01B parameters)"
@@ -43,7 +43,7 @@ def main():
     args = parser.parse_args()
 
     cfg = dataclasses.replace(
-        olmo3.PRESETS[args.preset], n_layers=args.layers, layer_types=(olmo3.FULL,) * args.layers
+        olmo3.MODELS[args.preset], n_layers=args.layers, layer_types=(olmo3.FULL,) * args.layers
     )
     model = eqx.filter_jit(olmo3.Olmo3)(cfg, key=jax.random.key(0))
     params = olmo3.count_params(model)

@@ -273,7 +273,7 @@ def alone(name, tokens, make, mcfg, seq, steps=5):
 def gpu_shapes(args):
     """The 7B's model and recipe, seq 8192; with --small the same code at a CPU's size (d 256, seq 256), which
     checks that the GPU script runs through, and measures nothing."""
-    m, t = olmo3.PRESETS["7b"], train.PRESETS["7b"]
+    m, t = olmo3.MODELS["7b"], train.PRESETS["7b"]
     if args.small:
         m = dataclasses.replace(
             m,

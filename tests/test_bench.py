@@ -68,7 +68,7 @@ def test_downstream_prints_ours_beside_the_reference_and_the_speeds(tmp_path, ti
     import olmo3
 
     run = tmp_path / "run"  # a tiny run's directory: a checkpoint and the tokenizer
-    ckpt.write_first_step(run, olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0)), None)
+    ckpt.write_first_step(run, olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0)), None)
     (run / "tokenizer.json").write_text((tiny_data / "tokenizer.json").read_text())
     tasks = "copycolors_10way_fast,basic_skills_arithmetic_rc_5shot"
     args = ["--run_dir", str(run), "--data_root", str(tiny_data), "--docs", "2", "--seq_len", "256"]

@@ -31,7 +31,7 @@ import train
 
 ROOT = Path(__file__).resolve().parent.parent
 YARN = {"factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0}
-SMALL = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=2, layer_types=(olmo3.SLIDING, olmo3.FULL))
+SMALL = dataclasses.replace(olmo3.MODELS["tiny"], n_layers=2, layer_types=(olmo3.SLIDING, olmo3.FULL))
 
 
 def tokens(n=40, vocab=300, seed=0, batch=2):
@@ -75,7 +75,7 @@ def tree(path: Path) -> dict:
 @pytest.mark.slow
 def test_restore_onto_another_mesh_is_bitwise(tmp_path):
     cfg = train.PRESETS["tiny"]
-    mcfg = olmo3.PRESETS["tiny"]
+    mcfg = olmo3.MODELS["tiny"]
     abstract = olmo3.abstract(mcfg)
     abstract_opt = eqx.filter_eval_shape(train.init_opt, abstract, cfg)
 
@@ -250,7 +250,7 @@ def test_hf_round_trip(tmp_path):
 
 
 def test_round_trip_of_our_own_init_single_file(tmp_path):
-    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=4, vocab_size=8000)
+    cfg = dataclasses.replace(olmo3.MODELS["tiny"], n_layers=4, vocab_size=8000)
     model = olmo3.Olmo3(cfg, key=jax.random.key(1))
     ckpt.save_hf(model, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").exists()
@@ -334,12 +334,12 @@ def test_a_damaged_hf_directory_is_named_in_one_line(tmp_path):
             ckpt.load_hf(hf_dir)
         assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
         with pytest.raises(ValueError) as refused:  # train.py --init_from_hf checks before anything compiles
-            ckpt.check_hf_model(str(hf_dir), olmo3.PRESETS["tiny"], "tiny")
+            ckpt.check_hf_model(str(hf_dir), olmo3.MODELS["tiny"], "tiny")
         assert str(refused.value).startswith(f"--init_from_hf {hf_dir}: {says}")
 
 
 def test_save_hf_never_leaves_a_complete_looking_directory(tmp_path, monkeypatch):
-    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    model = olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0))
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty"):
@@ -574,7 +574,7 @@ def test_wandb_without_the_extra_is_refused_in_one_line_before_the_run_dir(tmp_p
         err == "error: --wandb p: needs wandb: pip install -e '.[wandb]'" and not (tmp_path / "run").exists()
     )
     with pytest.raises(train.FlagError, match=r"^--wandb_run x: goes with --wandb PROJECT$"):
-        train.check(train.parse_args(["--preset", "tiny", "--wandb_run", "x"]))
+        train.check_flags(train.parse_args(["--preset", "tiny", "--wandb_run", "x"]))
 
 
 def test_loss_plot_draws_each_held_out_set(tmp_path):

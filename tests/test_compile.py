@@ -101,7 +101,7 @@ def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_ten
     target = shard.compile_target("v5e:2x2")
     mesh = shard.make_mesh("fsdp=2,tensor=2", list(target.devices))
     cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=512, compute=olmo3.Compute("bfloat16", "auto"))
-    model_cfg = train.model_config(cfg, dataclasses.replace(olmo3.PRESETS["tiny"], n_kv_heads=2))
+    model_cfg = train.model_config(cfg, dataclasses.replace(olmo3.MODELS["tiny"], n_kv_heads=2))
     compute = train.compute_policy(cfg, mesh)
     assert compute.attention == "splash"  # chosen for the devices compiled for, not for this CPU
     compiled, inputs = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)

@@ -278,7 +278,7 @@ def test_the_model_with_fp8_runs_every_block_linear_in_fp8_and_nothing_else():
     in fp8 (7 linears x 4 layers of the scanned group), and no other; the loss stays near the bf16 model's."""
     with pytest.raises(ValueError, match="^Compute.fp8 'rowwise': expected one of '', tensorwise$"):
         olmo3.Compute(fp8="rowwise")
-    cfg = olmo3.PRESETS["tiny"]
+    cfg = olmo3.MODELS["tiny"]
     bf16 = olmo3.Olmo3(cfg, key=jax.random.key(0), compute=olmo3.Compute("bfloat16"))
     fp8 = bf16.using(olmo3.Compute("bfloat16", fp8="tensorwise"))
     used = fp8.as_used()
@@ -312,7 +312,7 @@ def test_fp8_runs_with_the_other_attention_paths(attention):
     """fp8 touches only the linears, so it runs with any attention path (cuDNN: the GPU compile below). The
     paths differ by fp32 rounding, which can flip an fp8 rounding or a power-of-two scale downstream: then the
     logits move, but by less than fp8 itself moves them from the fp32 model's."""
-    cfg = olmo3.PRESETS["tiny"]
+    cfg = olmo3.MODELS["tiny"]
     model = olmo3.Olmo3(cfg, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, 256), 0, cfg.vocab_size)
     logits = lambda impl, fp8: eqx.filter_jit(lambda m, t: m(t))(
@@ -393,7 +393,7 @@ def test_gpu_the_model_with_fp8_and_cudnn_attention_compiles_every_block_linear_
     pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
     target = shard.compile_target("h200x1")
     mesh = shard.make_mesh("fsdp=1", list(target.devices))
-    cfg = olmo3.PRESETS["tiny"]
+    cfg = olmo3.MODELS["tiny"]
     model = olmo3.abstract(cfg, olmo3.Compute("bfloat16", "cudnn", fp8="tensorwise"))
     model = shard.abstract(model, shard.shardings(model, mesh))
     weights, static = eqx.partition(model, olmo3.is_array)

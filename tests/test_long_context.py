@@ -125,7 +125,7 @@ def test_yarn_is_olmo_core_s_and_on_its_full_layers_only():
     from olmo_core.nn.transformer import TransformerConfig
 
     m = train.model_config(train.PRESETS["7b-long-context"])
-    assert m.max_seq_len == 65_536 and m.rope_sliding == olmo3.PRESETS["7b"].rope_sliding
+    assert m.max_seq_len == 65_536 and m.rope_sliding == olmo3.MODELS["7b"].rope_sliding
     scaling = YaRNRoPEScalingConfig(factor=8, beta_fast=32, beta_slow=1, old_context_len=8192)
     want, want_scale = scaling.compute_scaled_inv_freq(500_000, 128, torch.device("cpu"))
     ours, scale = olmo3.rope_frequencies(m.rope_full, m.head_dim)
@@ -268,7 +268,7 @@ def test_bad_stage3_flags_are_one_line(tmp_path, flags, message):
 
 # A model whose sliding window (32) makes whole blocks of the chunks context=2 and context=4 cut 256 into.
 CONTEXT_MODEL = dataclasses.replace(
-    olmo3.PRESETS["tiny"],
+    olmo3.MODELS["tiny"],
     vocab_size=512,
     d_model=64,
     n_heads=4,

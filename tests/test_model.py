@@ -125,7 +125,7 @@ def test_document_masked_attention_equals_brute_force(window, impl):
 def test_a_packed_row_s_documents_are_each_computed_as_alone(impl):
     """The model on a row of packed documents, masked by document: each document's hidden states are the
     model's on that document alone (RoPE sees only relative positions, so its offset in the row is not seen)."""
-    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], sliding_window=4)
+    cfg = dataclasses.replace(olmo3.MODELS["tiny"], sliding_window=4)
     model = olmo3.Olmo3(cfg, key=jax.random.key(0), compute=olmo3.Compute(attention=impl))
     tokens = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 16)))
     documents = jnp.asarray([[0] * 3 + [1] * 6 + [2] * 7])
@@ -208,7 +208,7 @@ def test_cudnn_refuses_fp32():
 
 
 def test_causality_and_window():
-    cfg = dataclasses.replace(olmo3.PRESETS["tiny"], layer_types=(SLIDING,) * 4, sliding_window=6)
+    cfg = dataclasses.replace(olmo3.MODELS["tiny"], layer_types=(SLIDING,) * 4, sliding_window=6)
     model = olmo3.Olmo3(cfg, key=jax.random.key(0))
     ids = jnp.asarray(tokens(n=48, batch=1, vocab=8192)[0])
     base = np.asarray(model(ids))
@@ -239,7 +239,7 @@ def test_scan_equals_unrolled_loop(tmp_path):
 
 @pytest.mark.parametrize("remat", ["full", "save_matmuls", "save_attention"])
 def test_remat_policies_leave_gradients_unchanged(remat):
-    cfg = olmo3.PRESETS["tiny"]
+    cfg = olmo3.MODELS["tiny"]
     model = olmo3.Olmo3(cfg, key=jax.random.key(0))
     ids = jnp.asarray(tokens(n=32, batch=1, vocab=8192)[0])
     grad = lambda m: eqx.filter_grad(lambda m: m(ids).sum())(m).layers.mlp.up_proj
@@ -250,7 +250,7 @@ def test_remat_policies_leave_gradients_unchanged(remat):
 def test_wrong_input_shape_is_a_type_error():
     # pytest runs olmo3 under jaxtyping's import hook (pyproject's --jaxtyping-packages): a call whose arrays
     # disagree on a named dimension is refused before any maths, naming the argument and the dimension.
-    cfg = olmo3.PRESETS["tiny"]
+    cfg = olmo3.MODELS["tiny"]
     model = olmo3.Olmo3(cfg, key=jax.random.key(0))
     block = jax.tree.map(lambda w: w[0], model.layers)
     cos, sin = olmo3.rope_cos_sin(cfg.rope(olmo3.SLIDING), cfg.head_dim, 16)
@@ -308,7 +308,7 @@ def test_presets_are_olmo_core_s_olmo3_models(name):
 
     tokenizer = TokenizerConfig.dolma2()
     theirs = getattr(TransformerConfig, OLMO_CORE_PRESETS[name])(vocab_size=tokenizer.padded_vocab_size())
-    ours = olmo3.PRESETS[name]
+    ours = olmo3.MODELS[name]
     expected = olmo_core_fields(theirs, tokenizer)
     assert {field: getattr(ours, field) for field in expected} == expected
     assert ours.padded_vocab == theirs.vocab_size
@@ -325,7 +325,7 @@ def test_presets_are_olmo_core_s_olmo3_models(name):
 
 
 def test_init_is_olmo_core_truncated_normal():
-    model = olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(0))
+    model = olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0))
     w = np.asarray(model.layers.mlp.gate_proj)
     assert np.abs(w).max() <= 0.06 + 1e-7 and np.abs(w).max() > 0.055  # cut at 3 sigma, not 2
     assert abs(w.std() - 0.02 * 0.9866) < 3e-4  # the std of N(0, 0.02) truncated at +-3 sigma
@@ -335,9 +335,9 @@ def test_init_is_olmo_core_truncated_normal():
 def test_non_periodic_pattern_is_refused():
     irregular = (SLIDING, SLIDING, SLIDING, FULL) * 2 + (SLIDING, FULL, SLIDING, SLIDING)
     with pytest.raises(ValueError, match="not a repeating pattern"):
-        dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=irregular)
+        dataclasses.replace(olmo3.MODELS["tiny"], n_layers=12, layer_types=irregular)
     assert (
-        dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=12, layer_types=(SLIDING, FULL) * 6).period == 2
+        dataclasses.replace(olmo3.MODELS["tiny"], n_layers=12, layer_types=(SLIDING, FULL) * 6).period == 2
     )
 
 

@@ -31,7 +31,7 @@ def our_config() -> olmo3.Olmo3Config:
 
     tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=1)
     fields = olmo_core_fields(olmo_core_config(), tokenizer)
-    return dataclasses.replace(olmo3.PRESETS["tiny"], **fields, max_seq_len=64)
+    return dataclasses.replace(olmo3.MODELS["tiny"], **fields, max_seq_len=64)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def one_process_step(tmp_path_factory):
 @pytest.fixture
 def recipe(monkeypatch):
     """train.py's tiny recipe on our_config()'s model, under a preset name of its own."""
-    monkeypatch.setitem(olmo3.PRESETS, "olmo-core-14m", our_config())
+    monkeypatch.setitem(olmo3.MODELS, "olmo-core-14m", our_config())
     return dataclasses.replace(train.PRESETS["tiny"], preset="olmo-core-14m", skip_window=8)
 
 
@@ -107,7 +107,7 @@ def test_olmo_core_checkpoint_imports_bit_for_bit_and_restores_in_train(olmo_cor
     assert {float(h["step"]) for h in held.values()} == {STEPS - len(skipped)}
     assert count == float(opt.count) == STEPS - len(skipped)
     assert int(opt.seen) == 0 and not np.asarray(opt.losses).any()  # the skip window starts empty
-    cfg = olmo3.PRESETS[recipe.preset]
+    cfg = olmo3.MODELS[recipe.preset]
     for name, ours in [("weight", model), ("exp_avg", opt.mu), ("exp_avg_sq", opt.nu)]:
         for fqn, got in olmo_core_layout(ours, cfg).items():
             np.testing.assert_array_equal(got, held[fqn][name].numpy(), err_msg=f"{name} of {fqn}")

@@ -92,10 +92,10 @@ def test_device_grid_puts_the_slow_network_on_the_outer_axis():
 # ---- the rules
 
 
-@pytest.mark.parametrize("preset", list(olmo3.PRESETS))
+@pytest.mark.parametrize("preset", list(olmo3.MODELS))
 def test_rules_cover_every_parameter_and_the_optimizer_state(preset):
     """Abstract shapes only (eval_shape): the 32B model costs nothing here."""
-    model = olmo3.abstract(olmo3.PRESETS[preset])
+    model = olmo3.abstract(olmo3.MODELS[preset])
     opt = eqx.filter_eval_shape(train.init_opt, model, train.PRESETS["7b"])
     # The 8 test devices, and a pod-sized mesh that needs no devices to check.
     for mesh in [shard.make_mesh("data=2,fsdp=2,tensor=2"), AbstractMesh((2, 64, 1, 4), shard.MESH_AXES)]:
@@ -111,7 +111,7 @@ def test_rules_cover_every_parameter_and_the_optimizer_state(preset):
 
 
 def test_specs_on_a_pod_mesh():
-    model = olmo3.abstract(olmo3.PRESETS["7b"])
+    model = olmo3.abstract(olmo3.MODELS["7b"])
     specs = jax.tree.map(
         lambda s: s.spec, shard.shardings(model, AbstractMesh((1, 32, 1, 8), shard.MESH_AXES))
     )
@@ -139,14 +139,14 @@ def test_check_rules_names_what_is_wrong(monkeypatch):
     with pytest.raises(ValueError, match=r"\.w: 2 logical axes \('embed', 'mlp'\) for a rank-1 array") as e:
         shard.check_rules(odd, mesh)
     assert "['widgets'] have no rule in shard.RULES" in str(e.value)
-    model = olmo3.abstract(olmo3.PRESETS["tiny"])
+    model = olmo3.abstract(olmo3.MODELS["tiny"])
     monkeypatch.setitem(shard.RULES, "heads", ("fsdp",))  # q_proj would split fsdp twice
     with pytest.raises(ValueError, match=r"layers\.self_attn\.q_proj: mesh axes \['fsdp'\] appear twice"):
         shard.check_rules(model, mesh)
 
 
 def test_check_rules_warns_of_big_replicated_parameters():
-    model = olmo3.abstract(olmo3.PRESETS["7b"])
+    model = olmo3.abstract(olmo3.MODELS["7b"])
     with pytest.warns(UserWarning, match=r"over 1 MB left fully replicated on mesh .*'data': 8.*embed"):
         replicated = shard.check_rules(model, shard.make_mesh("data=8"))  # pure data parallelism
     assert ".lm_head" in replicated and ".norm" not in replicated  # the final norm is 16 KB

@@ -21,13 +21,13 @@ import olmo3
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = dataclasses.replace(olmo3.PRESETS["tiny"], n_layers=2, layer_types=(olmo3.SLIDING, olmo3.FULL))
+SMALL = dataclasses.replace(olmo3.MODELS["tiny"], n_layers=2, layer_types=(olmo3.SLIDING, olmo3.FULL))
 
 
 @pytest.fixture
 def small_recipe(monkeypatch):
     """A stage-2 recipe (the 7B's midtraining, scaled down) on SMALL's model, and its stage 1 (the tiny preset)."""
-    monkeypatch.setitem(olmo3.PRESETS, "small", SMALL)
+    monkeypatch.setitem(olmo3.MODELS, "small", SMALL)
     stage2 = dataclasses.replace(train.PRESETS["7b-midtrain"], model="small", seq_len=256, skip_window=8)
     stage1 = dataclasses.replace(train.PRESETS["tiny"], preset="small", skip_window=16)
     return stage1, stage2
@@ -253,7 +253,7 @@ def test_stage2_from_an_olmo_core_checkpoint_follows_olmo_core_step_by_step(
     carried over, or the LR schedule, the data order or the skip history not restarted, step 1 or 2 would
     differ (a count reset to 0 is 8e-3 off at step 2)."""
     step_dir, stage1_rows, theirs, model_cfg = olmo_core_stages
-    monkeypatch.setitem(olmo3.PRESETS, "oc-stage2", model_cfg)
+    monkeypatch.setitem(olmo3.MODELS, "oc-stage2", model_cfg)
     cfg = our_stage2(tiny_data, tmp_path / "ours")
     count = ckpt.import_olmo_core(step_dir, cfg.run_dir, cfg)
     # Adam's count as OLMo-core left it: its steps but the skipped, plus one that torch's checkpointer took to
@@ -272,7 +272,7 @@ def test_stage2_from_our_stage1_run_follows_olmo_core_step_by_step(
     """The same stage 2 from one of our stage-1 run directories holding OLMo-core's stage-1 state (imported
     under a stage-1 recipe with another skip window), by `ckpt.py next-stage`: the two README commands."""
     step_dir, _, theirs, model_cfg = olmo_core_stages
-    monkeypatch.setitem(olmo3.PRESETS, "oc-stage2", model_cfg)
+    monkeypatch.setitem(olmo3.MODELS, "oc-stage2", model_cfg)
     cfg = our_stage2(tiny_data, tmp_path / "ours")
     stage1 = dataclasses.replace(train.PRESETS["tiny"], model="oc-stage2", skip_window=16)
     ckpt.import_olmo_core(step_dir, tmp_path / "stage1", stage1)

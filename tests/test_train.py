@@ -21,7 +21,7 @@ import train
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dataclasses.replace(
-    olmo3.PRESETS["tiny"],
+    olmo3.MODELS["tiny"],
     vocab_size=256,
     d_model=16,
     n_layers=4,
@@ -354,8 +354,8 @@ def test_loss_is_weighted_per_rank_as_olmo_core_s_train_module_weighs_it_on_seve
     from test_olmo_core_ckpt import olmo_core_layout, our_config
 
     ranks, rows, seq = 4, 8, 16
-    monkeypatch.setitem(olmo3.PRESETS, "olmo-core-14m", our_config())
-    mcfg = olmo3.PRESETS["olmo-core-14m"]
+    monkeypatch.setitem(olmo3.MODELS, "olmo-core-14m", our_config())
+    mcfg = olmo3.MODELS["olmo-core-14m"]
     tokens = np.random.default_rng(0).integers(0, 256, (rows, seq))
     keep = np.array([True, False, True, True, True, False, True, True])  # rows 1 and 5: both rank 1's
     model = lambda: olmo3.Olmo3(mcfg, key=jax.random.key(0))  # a fresh one for each step (it is donated)
@@ -552,7 +552,7 @@ def test_gradient_accumulation_gives_the_same_update():
 
 
 def test_flops_per_token_counts_sliding_windows_exactly():
-    m = olmo3.PRESETS["7b"]
+    m = olmo3.MODELS["7b"]
     # brute force: count the (query, key) pairs each layer's mask keeps
     seq = 64
     small = dataclasses.replace(m, sliding_window=16, max_seq_len=seq)
@@ -679,7 +679,7 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
 @pytest.mark.parametrize("flags,error", BAD_FLAGS)
 def test_bad_flags_are_refused_naming_the_flag_the_value_and_what_is_accepted(flags, error):
     with pytest.raises(train.FlagError) as e:
-        train.check(train.parse_args(["--preset", "tiny", *flags.split()]))
+        train.check_flags(train.parse_args(["--preset", "tiny", *flags.split()]))
     assert str(e.value).startswith(error), str(e.value)
 
 
@@ -795,7 +795,7 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
     import ckpt
     import data
 
-    ckpt.save_hf(olmo3.Olmo3(olmo3.PRESETS["tiny"], key=jax.random.key(42)), tmp_path / "hf")
+    ckpt.save_hf(olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(42)), tmp_path / "hf")
     out = run_train(
         "--preset",
         "tiny",
@@ -828,7 +828,7 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
     assert first["ce_loss"] == pytest.approx(expected, rel=1e-5)
 
     other = dataclasses.replace(
-        olmo3.PRESETS["tiny"], n_layers=8, layer_types=olmo3.PRESETS["tiny"].layer_types * 2
+        olmo3.MODELS["tiny"], n_layers=8, layer_types=olmo3.MODELS["tiny"].layer_types * 2
     )
     ckpt.save_hf(olmo3.Olmo3(other, key=jax.random.key(0)), tmp_path / "hf8")
     out = run_train(
