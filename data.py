@@ -796,6 +796,114 @@ def downstream_batches(task: DownstreamTask, rows: int, seq_len: int, width: int
             yield batch, tokens, targets, scored, at, choices
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The metrics of olmo_eval's ICLMetric, in NumPy, from the log-probabilities train.py's downstream_step
+# computes for the requests above.
+
+
+LOG2_E = 1.44269504089  # ICLMetric's log2(e), to its digits
+
+
+def request_scores(task: data.DownstreamTask, continuation: np.ndarray, picked: np.ndarray) -> dict:
+    """ICLMetric.update: {document: {continuation id: (log-likelihood, CE loss, BPB, each as v2 and v1)}},
+    v1 not counting the continuation's first character (its leading space); a length-normalised metric
+    divides the log-likelihood by the characters. A fast multiple-choice request gives one per choice."""
+    norm = task.metric_type in ("len_norm", "ce_loss", "bpb")
+    chars, n_bytes, chars_v1, bytes_v1 = (task.lengths[k].astype(float) for k in data.REQUEST_LENGTHS)
+    scores = {}
+    with np.errstate(divide="ignore"):  # a one-character continuation has no v1 length: inf, as in torch
+        for i, doc in enumerate(task.doc_id.tolist()):
+            if task.choices.shape[1]:
+                pairs = [(k, picked[i, k]) for k, c in enumerate(task.choices[i]) if c != -1]
+            else:
+                pairs = [(int(task.cont_id[i]), continuation[i])]
+            for cont_id, lp in pairs:
+                ll = (lp / chars[i], lp / chars_v1[i]) if norm else (lp, lp)
+                values = (*ll, -lp / chars[i], -lp / chars_v1[i])
+                values += (-lp / n_bytes[i] * LOG2_E, -lp / bytes_v1[i] * LOG2_E)
+                scores.setdefault(doc, {}).setdefault(cont_id, values)
+    return scores
+
+
+def f1_score(truth: np.ndarray, predicted: np.ndarray, positive: int = 0) -> float:
+    """ICLMetric.custom_f1_score (the NLI tasks' first continuation is the positive class)."""
+    tp = np.sum((truth == positive) & (predicted == positive))
+    fp, fn = (
+        np.sum((truth != positive) & (predicted == positive)),
+        np.sum((truth == positive) & (predicted != positive)),
+    )
+    if tp + fp == 0 or tp + fn == 0:
+        return 0.0
+    precision, recall = tp / (tp + fp), tp / (tp + fn)
+    return 0.0 if precision + recall == 0 else float(2 * precision * recall / (precision + recall))
+
+
+def icl_metrics(metric_type: str, scores: dict, labels: dict) -> dict[str, float]:
+    """ICLMetric.compute: means over documents (one missing a continuation skipped, as there); rows of a
+    document's scores: log-likelihood v2, v1, CE loss v2, v1, BPB v2, v1; one column per continuation."""
+    docs = [
+        (np.array([conts[c] for c in range(len(conts))]).T, labels[doc])
+        for doc, conts in scores.items()
+        if max(conts) < len(conts)
+    ]
+    mean = lambda f: float(np.mean([f(v, label) for v, label in docs]))
+    if metric_type in ("ce_loss", "bpb"):  # one continuation scored: the gold one
+        row = 3 if metric_type == "ce_loss" else 5
+        return {
+            f"{metric_type}_v1": mean(lambda v, _: v[row, 0]),
+            f"{metric_type}_v2": mean(lambda v, _: v[row - 1, 0]),
+        }
+    if metric_type == "f1":
+        truth = np.array([label for _, label in docs])
+        pick = lambda row: np.array([np.argmax(v[row]) for v, _ in docs])
+        return {"f1_v1": f1_score(truth, pick(0)), "f1_v2": f1_score(truth, pick(1))}
+    log_softmax = lambda x: x - x.max() - np.log(np.exp(x - x.max()).sum())
+    accuracy = mean(lambda v, label: float(np.argmax(v[0]) == label))
+    return {
+        f"{metric_type}_v1": accuracy,
+        f"{metric_type}_v2": accuracy,
+        "ce_loss_v1": mean(lambda v, label: v[3, label]),
+        "ce_loss_v2": mean(lambda v, label: v[2, label]),
+        "bpb_v1": mean(lambda v, label: v[5, label]),
+        "bpb_v2": mean(lambda v, label: v[4, label]),
+        "soft_v1": mean(lambda v, label: np.exp(log_softmax(v[1]))[label]),
+        "soft_v2": mean(lambda v, label: np.exp(log_softmax(v[0]))[label]),
+        "soft_log_v1": mean(lambda v, label: log_softmax(v[1])[label]),
+        "soft_log_v2": mean(lambda v, label: log_softmax(v[0])[label]),
+    }
+
+
+# OLMo-core's DownstreamEvaluator.metric_type_to_label: a metric is recorded as eval/downstream/TASK (LABEL).
+METRIC_LABELS = {
+    "f1_v1": "F1 score",
+    "acc_v1": "accuracy",
+    "len_norm_v1": "length-normalized accuracy",
+    "pmi_dc_v1": "PMI-DC accuracy",
+    "ce_loss_v1": "CE loss",
+    "bpb_v1": "BPB",
+    "soft_v1": "soft loss",
+    "soft_log_v1": "log soft loss",
+    "f1_v2": "F1 score v2",
+    "acc_v2": "accuracy v2",
+    "len_norm_v2": "length-normalized accuracy v2",
+    "pmi_dc_v2": "PMI-DC accuracy v2",
+    "ce_loss_v2": "CE loss v2",
+    "bpb_v2": "BPB v2",
+    "soft_v2": "soft loss v2",
+    "soft_log_v2": "log soft loss v2",
+}
+
+
+def task_metrics(task: DownstreamTask, continuation: np.ndarray, picked: np.ndarray) -> dict[str, float]:
+    """A task's ICLMetric metrics named as OLMo-core records them (eval/downstream/TASK (LABEL)), from every
+    request's continuation log-probability and its choices' (train.py's downstream_step)."""
+    labels = {}
+    for doc, label in zip(task.doc_id.tolist(), task.label_id.tolist()):
+        labels.setdefault(doc, label)
+    metrics = icl_metrics(task.metric_type, request_scores(task, continuation, picked), labels)
+    return {f"eval/downstream/{task.name} ({METRIC_LABELS[k]})": v for k, v in metrics.items()}
+
+
 # OLMo-core's instance filter (InstanceFilterConfig), on for the 32B: drop from the loss every instance
 # holding a token sequence of period 1..13 repeated at least `max_count` (32) times in a row.
 REPEAT_PERIODS = (1, 13)
