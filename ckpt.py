@@ -1,14 +1,12 @@
-"""What a run leaves on disk and the formats it converts (the only file that imports orbax): the run
-directory (the lock that gives it one writer, the metrics log and progress bar, the loss plot, preemption,
-log.txt), the Orbax checkpoints of the training state, Hugging Face `Olmo3ForCausalLM` directories in and
-out, OLMo-core checkpoints (with their Adam state) in, and a run's state carried into the next stage or two
-runs' weights averaged.
+"""What a run leaves on disk and the formats it converts (the only file that imports orbax; it never imports
+train.py). Under its headings: the run directory (the lock that gives it one writer, log.txt, preemption),
+the metrics log and plots, the Orbax checkpoints of the training state, the Hugging Face format in and out,
+the OLMo-core format in (with its Adam state), averaging two runs, and the command line. train.py reads a
+stage's start (--init_from) through the readers here, each process its own shards.
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
     python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
-    python ckpt.py from-olmo-core STEP_DIR RUN_DIR --preset 7b  # OLMo-core weights + Adam state -> step 0
-    python ckpt.py next-stage RUN_DIR NEW_RUN_DIR --preset 7b-midtrain  # weights + Adam state -> step 0
     python ckpt.py average RUN_A RUN_B OUT  # the mean of two runs' weights -> step 0 of OUT (weights only)
 
 A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
@@ -44,6 +42,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from tqdm import tqdm
 
 import data
@@ -52,8 +51,7 @@ import shard
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
-# The run directory: one writer at a time (the lock), the metrics log, the progress bar and the loss plot,
-# preemption, and log.txt.
+# The run directory: one writer at a time (the lock), log.txt, the run's files, preemption.
 
 
 class RunDirError(RuntimeError):
@@ -217,6 +215,36 @@ def errors_logged(run_dir, unless: tuple = ()):
         if not isinstance(e, (RunDirError, *unless)) and (Path(run_dir) / "config.json").is_file():
             log_error(run_dir, "the run stopped", e)
         raise
+
+
+class Preemption:
+    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
+    (Orbax commits by rename, so the last committed checkpoint is never harmed). With several processes,
+    JAX's preemption service tells every process the same step instead (a Python handler here would
+    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
+
+    def __enter__(self):
+        self.signals, self.before = 0, {}
+        if jax.process_count() == 1:
+            self.before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.before.items():  # the caller's handlers again (a test, a notebook)
+            signal.signal(s, handler)
+
+    def on_signal(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            os._exit(128 + signum)
+        print(f"\nsignal {signum}: saving at the next step boundary, then exiting", flush=True)
+
+    def requested(self, step: int, checkpoints: "Checkpoints") -> bool:
+        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The metrics log (metrics.jsonl, TensorBoard, W&B), the progress bar and the plots.
 
 
 # Our metrics row's keys under the names OLMo-core logs them (v3.0.0), so a W&B run overlays AI2's curves:
@@ -484,34 +512,8 @@ def plot_downstream(run_dir: Path) -> list[str]:
     return [ax.get_title() for ax in axes.flat[: len(firsts)]]
 
 
-class Preemption:
-    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
-    (Orbax commits by rename, so the last committed checkpoint is never harmed). With several processes,
-    JAX's preemption service tells every process the same step instead (a Python handler here would
-    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
-
-    def __enter__(self):
-        self.signals, self.before = 0, {}
-        if jax.process_count() == 1:
-            self.before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.before.items():  # the caller's handlers again (a test, a notebook)
-            signal.signal(s, handler)
-
-    def on_signal(self, signum, frame):
-        self.signals += 1
-        if self.signals > 1:
-            os._exit(128 + signum)
-        print(f"\nsignal {signum}: saving at the next step boundary, then exiting", flush=True)
-
-    def requested(self, step: int, checkpoints: "Checkpoints") -> bool:
-        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Orbax checkpoints: checksums, the Checkpoints of a run, and the check that a resume continues the same run.
+# Checkpoints (Orbax): checksums, the Checkpoints of a run, and the check that a resume continues the same run.
 
 
 @jax.jit
@@ -622,13 +624,11 @@ class Checkpoints:
     """
 
     def __init__(self, run_dir, keep_last: int = 2, keep_every: int = 0, read_only: bool = False):
-        import orbax.checkpoint as ocp
-
         if keep_last < 2:
             raise ValueError(
                 f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write"
             )
-        self.ocp, self.saving = ocp, None
+        self.saving = None
         self.dir = Path(run_dir).absolute() / "checkpoints"
         self.quarantine = self.dir.parent / "quarantined"
         if read_only and not self.dir.is_dir():
@@ -665,7 +665,6 @@ class Checkpoints:
         return None
 
     def _open(self):
-        ocp = self.ocp  # handlers named up front, so a fresh process can read metadata before any restore
         handlers = {
             "model": ocp.StandardCheckpointHandler(),
             "train": ocp.StandardCheckpointHandler(),
@@ -684,10 +683,9 @@ class Checkpoints:
         if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
             return
         self.wait()  # one save at a time, and the previous one's failure first
-        ocp = self.ocp
-        items = {"model": eqx.filter(model, eqx.is_array)}
+        items = {"model": eqx.filter(model, is_array)}
         if train is not None:
-            items["train"] = eqx.filter(train, eqx.is_array)
+            items["train"] = eqx.filter(train, is_array)
         meta = dict(
             meta or {},
             step=step,
@@ -768,9 +766,7 @@ class Checkpoints:
 
     def read_meta(self, step: int) -> dict:
         try:
-            return self.manager.restore(
-                step, args=self.ocp.args.Composite(meta=self.ocp.args.JsonRestore())
-            ).meta
+            return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:
             raise CorruptCheckpoint(f"meta unreadable: {_cause(e)}") from e
 
@@ -781,7 +777,6 @@ class Checkpoints:
         and target shardings; with None an item comes back as the nested dict Orbax stores, on this
         process's first device.
         """
-        ocp = self.ocp
         meta = self.read_meta(step)
         stored = [k for k in ("model", "train") if k in meta.get("checksums", {})]
         wanted = {"model": model_like, "train": train_like}
@@ -807,6 +802,14 @@ class Checkpoints:
                 raise CorruptCheckpoint(f"checksum mismatch in {k}: {bad[:5]}")
         out = {k: eqx.combine(got[k], wanted[k]) if wanted[k] is not None else got[k] for k in stored}
         return out.get("model"), out.get("train"), meta
+
+    def saved_train_state(self, step: int) -> dict | None:
+        """Step `step`'s train item (optimizer state, key) as abstract arrays in the nested dict Orbax stores,
+        or None for a checkpoint of weights only: what the caller needs to shape a read of it."""
+        saved = self.manager.item_metadata(step).get("train")
+        if saved is None:
+            return None
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), saved.tree)
 
     def read_model(self, step: int, place=None) -> Olmo3:
         """Step `step`'s model, shaped by the config it was saved with (for a command that knows no preset), its
@@ -879,6 +882,53 @@ class Checkpoints:
         self._open()  # the manager caches its list of steps
 
 
+def format_of(path) -> str:
+    """What directory `path` holds: "run" (one of ours: checkpoints/), "olmo-core" (an OLMo-core step
+    directory: model_and_optim/) or "hf" (a Hugging Face model: config.json); else one line saying what was
+    expected."""
+    path = Path(path)
+    for kind, inside in (("run", "checkpoints"), ("olmo-core", "model_and_optim"), ("hf", "config.json")):
+        if (path / inside).exists():
+            return kind
+    found = (
+        "does not exist" if not path.exists() else "holds none of checkpoints/, model_and_optim/, config.json"
+    )
+    raise FileNotFoundError(
+        f"{path} {found}: expected one of our run directories (checkpoints/), an OLMo-core step directory "
+        "(model_and_optim/) or a Hugging Face model directory (config.json, *.safetensors)"
+    )
+
+
+def has_checkpoints(run_dir) -> bool:
+    """Whether `run_dir` holds a committed checkpoint; reads only."""
+    if not (Path(run_dir) / "checkpoints").is_dir():
+        return False
+    ckpts = Checkpoints(run_dir, read_only=True)
+    try:
+        return bool(ckpts.steps())
+    finally:
+        ckpts.close()
+
+
+def check_run_start(run_dir, step: int | None, cfg: Olmo3Config, as_run, weights_only: bool) -> None:
+    """A checkpoint of one of our runs (step `step`, default the newest) must hold model `cfg` once the run
+    has made it its own (`as_run`), and Adam's state unless `weights_only`: refused in one line naming the
+    checkpoint before anything is read but its metadata."""
+    ckpts = Checkpoints(run_dir, read_only=True)
+    try:
+        step, meta = ckpts.chosen(ckpts.read_meta, step)
+        where = ckpts.dir / str(step)
+        if diff := model_differences(as_run(config_from_hf(meta["model"], f"{where} meta")), cfg):
+            raise ValueError(f"{where} holds another model than the run's: {diff} (checkpoint vs run)")
+        if not weights_only and ckpts.saved_train_state(step) is None:
+            raise ValueError(
+                f"{where} holds weights only (no Adam state to carry over); pass --init_weights_only true to "
+                "start from them with Adam from zero"
+            )
+    finally:
+        ckpts.close()
+
+
 def on_first_device(tree):
     """`tree` (a model or optimizer state, its arrays real or abstract) as abstract arrays placed whole on this
     process's first device: what a command that reads a checkpoint without a mesh restores into."""
@@ -894,11 +944,11 @@ def check_resume(meta: dict, expected: dict, recipe_fields, allow_change: bool, 
     """Refuse a checkpoint whose metadata differs from what the run expects, naming what changed: the model
     shape always; the recipe's `recipe_fields` of the config, the compute dtype and the data's fingerprint
     unless `allow_change`. Weights from `ckpt.py from-hf` carry no config: any recipe may start there."""
-    saved, now = meta.get("model", {}), expected["model"]
-    shape = {k: (saved.get(k), now.get(k)) for k in saved.keys() | now.keys() if saved.get(k) != now.get(k)}
-    if shape:
+    if diff := model_differences(
+        config_from_hf(meta["model"], "its meta"), config_from_hf(expected["model"])
+    ):
         raise ResumeRefused(
-            f"--run_dir {run_dir} holds another model shape ({shape}, as (saved, now)); use another --run_dir"
+            f"--run_dir {run_dir} holds another model: {diff} (saved vs now); use another --run_dir"
         )
     if "config" not in meta or allow_change:
         return
@@ -919,7 +969,7 @@ def check_resume(meta: dict, expected: dict, recipe_fields, allow_change: bool, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Hugging Face conversion: the key map, the config, streaming load/save, and a run's checkpoint in and out.
+# The Hugging Face format: the key map, the config, reading a part of each tensor, saving, export and import.
 
 # (our leaf, HF tensor, axes of our leaf that form torch's `in` dimension). HF stores Linear weights as
 # [out, in]; we store [in..., out...], so a matrix is transposed and its grouped axes (heads, head_dim)
@@ -972,17 +1022,6 @@ def _hf_shape(shape: tuple[int, ...], n_in: int, vocab: int | None) -> tuple[int
     if n_in == 0:
         return (int(np.prod(shape)),)
     return (int(np.prod(shape[n_in:])), int(np.prod(shape[:n_in])))
-
-
-def hf_to_ours(t: np.ndarray, shape: tuple[int, ...], n_in: int, vocab_leaf: bool) -> np.ndarray:
-    """One HF tensor in our layout (fp32)."""
-    t = t.astype(np.float32)
-    t = t.T if n_in else t
-    if not vocab_leaf:
-        return t.reshape(shape)
-    padded = np.zeros(shape, np.float32)  # vocab rows past the checkpoint's are zero, as MaxText pads
-    padded[: t.shape[0], : t.shape[1]] = t
-    return padded
 
 
 def ours_to_hf(w: np.ndarray, n_in: int, vocab: int | None) -> np.ndarray:
@@ -1153,35 +1192,14 @@ def _hf_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}  # noqa: SIM118 - a safetensors file, not a dict
 
 
-def check_hf_model(hf_dir: str, cfg: Olmo3Config, preset: str, as_run=lambda hf: hf) -> None:
-    """Released weights must be the preset's model (token ids and max length may differ) once the run has
-    made them its own (`as_run`: e.g. YaRN added to a stage-2 model for stage 3), before loading."""
-    if not (Path(hf_dir) / "config.json").is_file():
-        raise ValueError(f"--init_from_hf {hf_dir}: no config.json there; expected an HF model directory")
-    try:
-        hf = as_run(read_hf_config(hf_dir))
-        _hf_files(Path(hf_dir))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--init_from_hf {hf_dir}: {e}") from None
-    fields = (
-        "vocab_size",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "mlp_hidden",
-        "layer_types",
-        "sliding_window",
-        "rope_sliding",
-        "rope_full",
-        "norm_eps",
-    )
-    if diff := {f: (getattr(hf, f), getattr(cfg, f)) for f in fields if getattr(hf, f) != getattr(cfg, f)}:
-        raise ValueError(
-            f"--init_from_hf {hf_dir} holds another model than --preset {preset}: "
-            + "; ".join(f"{f} {a} (checkpoint) vs {b} (preset)" for f, (a, b) in diff.items())
-        )
+def check_hf(hf_dir, cfg: Olmo3Config, as_run=lambda hf: hf) -> None:
+    """An HF directory must hold model `cfg` once the run has made it its own (`as_run`: e.g. YaRN added to a
+    stage-2 model for stage 3), every file whole: refused in one line before anything is read."""
+    hf_dir = Path(hf_dir)
+    hf = as_run(read_hf_config(hf_dir))
+    _hf_files(hf_dir)
+    if diff := model_differences(hf, cfg):
+        raise ValueError(f"{hf_dir} holds another model than the run's: {diff} (checkpoint vs run)")
 
 
 def with_config(model: Olmo3, cfg: Olmo3Config) -> Olmo3:
@@ -1194,10 +1212,21 @@ def with_config(model: Olmo3, cfg: Olmo3Config) -> Olmo3:
     return eqx.combine(weights, eqx.filter(like, is_array, inverse=True))
 
 
-def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
+class Tally:
+    """Bytes of tensor data a process has read, beside the whole of what it reads from: a sharded start shows
+    in numbers that each host read its own shards only."""
+
+    def __init__(self):
+        self.read = self.whole = 0
+
+    def __str__(self) -> str:
+        return f"read {self.read / 2**20:,.1f} MiB of the {self.whole / 2**20:,.1f} MiB"
+
+
+def load_hf(path, *, shardings=None, compute: Compute = Compute(), tally: Tally | None = None) -> Olmo3:
     """An HF Olmo3ForCausalLM directory as our model, computing as `compute` says, streamed tensor by
     tensor (no torch). Host memory holds the model plus one stacked leaf; with `shardings` (a pytree like
-    the model, from shard.py) each leaf goes straight to its devices."""
+    the model, from shard.py) each process reads only its devices' parts of each tensor (assemble)."""
     path = Path(path)
     cfg = read_hf_config(path)
     files = _hf_files(path)
@@ -1214,35 +1243,88 @@ def load_hf(path, *, shardings=None, compute: Compute = Compute()) -> Olmo3:
 
     handles = {f: _open_safetensors(f) for f in set(files.values())}
 
-    def read(name, want):
-        t = handles[files[name]].get_tensor(name)
-        if t.shape != want:
-            raise ValueError(f"{files[name]}: tensor {name} has shape {list(t.shape)}, expected {list(want)}")
-        return t
+    def read(name, want, region):
+        t = handles[files[name]].get_slice(name)  # safetensors reads the bytes of `region` only
+        if tuple(t.get_shape()) != want:
+            raise ValueError(f"{files[name]}: tensor {name} has shape {t.get_shape()}, expected {list(want)}")
+        return t[region]
 
-    return assemble(olmo3.abstract(cfg, compute), hf_names(cfg), read, cfg.vocab_size, shardings)
+    return assemble(olmo3.abstract(cfg, compute), hf_names(cfg), read, cfg.vocab_size, shardings, tally)
 
 
-def assemble(tree, names, read, vocab: int, shardings=None):
+def assemble(tree, names, read, vocab: int, shardings=None, tally: Tally | None = None):
     """`tree` (an abstract model, or moments shaped like it) with each leaf built from tensors in HF's layout:
-    `names` yields (our leaf, layer index or None, tensor name, n_in) as hf_names does, `read(name, shape)`
-    returns that tensor checked to be of that shape (embedding and LM head with `vocab` rows). Host memory
-    holds the tree plus one stacked leaf; with `shardings` (a pytree like the model, from shard.py) each
-    leaf goes straight to its devices."""
+    `names` yields (our leaf, layer index or None, tensor name, n_in) as hf_names does; `read(name, shape,
+    region)` returns the part `region` (slices) of that tensor, checked to be of `shape` (embedding and LM
+    head with `vocab` rows). With `shardings` (a pytree like the model, from shard.py) each process reads
+    only the parts its devices hold, straight onto them; without, each leaf is read whole."""
     by_leaf = {}
     for leaf, layer, name, n_in in names:
         by_leaf.setdefault(leaf, []).append((layer, name, n_in))
+    tally = tally or Tally()
     for leaf, entries in by_leaf.items():
         target = leaf_at(tree, leaf)
-        host = np.empty(target.shape, np.float32)
-        for layer, name, n_in in entries:
-            shape = target.shape[1:] if layer is not None else target.shape
-            t = read(name, _hf_shape(shape, n_in, vocab if leaf in VOCAB_LEAVES else None))
-            host[layer if layer is not None else ...] = hf_to_ours(t, shape, n_in, leaf in VOCAB_LEAVES)
-        sharding = leaf_at(shardings, leaf) if shardings is not None else None
-        tree = _set_leaf(tree, leaf, jax.device_put(host, sharding))
-        del host
+        vocab_leaf = vocab if leaf in VOCAB_LEAVES else None
+        tally.whole += math.prod(target.shape) * 4
+        blocks = {}  # devices of one process that hold the same part share one read
+
+        def block(index, target=target, entries=entries, vocab_leaf=vocab_leaf):
+            index = tuple(slice(*s.indices(n)) for s, n in zip(index, target.shape))
+            key = tuple((s.start, s.stop) for s in index)
+            if key not in blocks:
+                stacked = entries[0][0] is not None  # a leaf of every layer: its first axis the layer
+                wanted = range(index[0].start, index[0].stop, index[0].step) if stacked else [None]
+                within, shape = (index[1:], target.shape[1:]) if stacked else (index, target.shape)
+                parts = [
+                    _leaf_part(read, name, shape, n_in, vocab_leaf, within)
+                    for layer, name, n_in in entries
+                    if layer in wanted
+                ]
+                blocks[key] = np.stack(parts) if stacked else parts[0]
+                tally.read += blocks[key].nbytes
+            return blocks[key]
+
+        if shardings is None:  # uncommitted, as a fresh init: a jit may place it anywhere
+            array = jnp.asarray(block(tuple(slice(None) for _ in target.shape)))
+        else:
+            array = jax.make_array_from_callback(target.shape, leaf_at(shardings, leaf), block)
+        tree = _set_leaf(tree, leaf, array)
     return tree
+
+
+def _hf_axes(shape: tuple[int, ...], n_in: int, vocab_leaf: bool) -> list[tuple[int, ...]]:
+    """Which of our leaf's axes each axis of the HF tensor flattens: HF's [out, in] is our [in..., out...]
+    transposed; a vector is every axis flattened; the embedding keeps its layout."""
+    if vocab_leaf and not n_in:
+        return [(0,), (1,)]
+    if not n_in:
+        return [tuple(range(len(shape)))]
+    return [tuple(range(n_in, len(shape))), tuple(range(n_in))]
+
+
+def _leaf_part(read, name: str, shape, n_in: int, vocab: int | None, index) -> np.ndarray:
+    """The part `index` (slices of our per-layer leaf of `shape`) of HF tensor `name`, in our layout (fp32):
+    only the span of HF's rows and columns that holds it is read. Vocabulary rows past the checkpoint's
+    (our vocabulary is padded to a multiple of 128) are zero, as MaxText pads."""
+    axes = _hf_axes(shape, n_in, vocab is not None)
+    hf_shape = _hf_shape(shape, n_in, vocab)
+    flats = []  # per HF axis: the flat HF index of each of our wanted positions along the axes it flattens
+    for group in axes:
+        ranges = [np.arange(shape[a])[index[a]] for a in group]
+        grid = np.meshgrid(*ranges, indexing="ij")
+        flats.append(np.ravel_multi_index(grid, [shape[a] for a in group]).reshape(-1))
+    # The span to read along each HF axis; the first may stop short of ours (the vocabulary's padding).
+    region = tuple(
+        slice(int(f.min()), max(int(f.min()), min(int(f.max()) + 1, n))) for f, n in zip(flats, hf_shape)
+    )
+    part = np.asarray(read(name, hf_shape, region), np.float32)
+    inside = flats[0] < hf_shape[0]
+    at = [flats[0][inside] - region[0].start] + [f - r.start for f, r in zip(flats[1:], region[1:])]
+    out = np.zeros([len(f) for f in flats], np.float32)
+    out[inside] = part[np.ix_(*at)]
+    sizes = [len(range(shape[a])[index[a]]) for group in axes for a in group]
+    order = [a for group in axes for a in group]
+    return out.reshape(sizes).transpose(np.argsort(order))
 
 
 def _fresh_dir(out: Path) -> Path:
@@ -1346,11 +1428,7 @@ def preset_of(cfg: Olmo3Config) -> str | None:
     """The olmo3.MODELS name whose model `cfg` is (token ids and max length aside), if any."""
     from olmo3 import MODELS
 
-    same = lambda a, b: (
-        dataclasses.replace(a, max_seq_len=0, eos_token_id=0, pad_token_id=0)
-        == dataclasses.replace(b, max_seq_len=0, eos_token_id=0, pad_token_id=0)
-    )
-    return next((name for name, preset in MODELS.items() if same(preset, cfg)), None)
+    return next((name for name, model in MODELS.items() if not model_differences(model, cfg)), None)
 
 
 def import_hf(hf_dir, run_dir) -> Olmo3Config:
@@ -1379,8 +1457,8 @@ def write_first_step(run_dir, model: Olmo3, train_state: dict | None, *sources) 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# OLMo-core conversion: a step directory as OLMo-core's trainer writes it (`config.json`, `train/rank*.pt`,
-# `model_and_optim/.metadata` and `__<rank>_<n>.distcp`: a torch distributed checkpoint) as step 0 of a run,
+# The OLMo-core format: a step directory as OLMo-core's trainer writes it (`config.json`, `train/rank*.pt`,
+# `model_and_optim/.metadata` and `__<rank>_<n>.distcp`: a torch distributed checkpoint) read as the start of a run
 # with its Adam moments and step count. Nothing here imports torch: `.metadata` is a pickle of torch classes
 # and each chunk's bytes a `torch.save` zip (filesystem.py's FileSystemWriter: data.pkl + the raw storage),
 # both read by a restricted unpickler that builds plain stand-ins; the tensor bytes are read with numpy.
@@ -1523,16 +1601,23 @@ def _check_chunk_files(fqn: str, t: DcpTensor) -> None:
             )
 
 
-def read_dcp_tensor(fqn: str, t: DcpTensor) -> np.ndarray:
-    """Tensor `fqn` whole, each chunk placed at its offsets: memory holds the tensor and one chunk's blob."""
-    out = np.empty(t.shape, DCP_DTYPES[t.dtype])
+def read_dcp_tensor(fqn: str, t: DcpTensor, region: tuple[slice, ...] | None = None) -> np.ndarray:
+    """Tensor `fqn`, or its part `region` (slices), from the chunks that overlap it: memory holds the part and
+    one chunk's blob, and a chunk outside the part is never read."""
+    region = region or tuple(slice(0, n) for n in t.shape)
+    out = np.empty([r.stop - r.start for r in region], DCP_DTYPES[t.dtype])
     for offsets, sizes, file, start, length in t.chunks:
+        lo = [max(o, r.start) for o, r in zip(offsets, region)]
+        hi = [min(o + n, r.stop) for o, n, r in zip(offsets, sizes, region)]
+        if any(a >= b for a, b in zip(lo, hi)):
+            continue
         with open(file, "rb") as f:
             f.seek(start)
             chunk = torch_saved_tensor(f.read(length), f"{file}: bytes {start}-{start + length} ({fqn})")
         if chunk.shape != sizes:
             raise ValueError(f"{file}: the chunk of {fqn} at {list(offsets)} has shape {list(chunk.shape)}")
-        out[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))] = chunk
+        into = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))
+        out[into] = chunk[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
     return out
 
 
@@ -1552,8 +1637,8 @@ def torch_saved_tensor(blob: bytes, where: str) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(storage[offset:], size, [s * item for s in stride]).copy()
 
 
-def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, preset: str, file: Path, weights_only: bool):
-    """The checkpoint must hold the preset's model, and Adam's state for each parameter unless
+def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, file: Path, weights_only: bool):
+    """The checkpoint must hold the run's model `cfg`, and Adam's state for each parameter unless
     `weights_only`: refused before anything is read, naming what differs."""
     model = olmo3.abstract(cfg)
     expected = {}
@@ -1568,22 +1653,22 @@ def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, preset: str, file: Pa
     if not weights_only and not any(k.startswith("optim.state.") for k in found):
         raise ValueError(
             f"{file} holds no optimizer state (no optim.state.* tensors: saved without it?); pass "
-            "--weights_only to import the weights alone (Adam's moments and count then start from zero)"
+            "--init_weights_only true to start from the weights alone (Adam's moments and count then start from zero)"
         )
     if weights_only:
         expected = {k: v for k, v in expected.items() if k.startswith("model.")}
         found = {k: v for k, v in found.items() if k.startswith("model.")}
     diff = [
-        f"{k} {list(found[k])} (checkpoint) vs {list(v)} (preset)"
+        f"{k} {list(found[k])} (checkpoint) vs {list(v)} (run)"
         for k, v in expected.items()
         if k in found and found[k] != v
     ]
     diff += [f"{k} missing" for k in expected if k not in found]
-    diff += [f"{k} not in the preset's model" for k in found if k not in expected]
+    diff += [f"{k} not in the run's model" for k in found if k not in expected]
     if diff:
         diff.sort(key=lambda d: d.startswith("optim."))  # the weights first: the moments repeat them
         raise ValueError(
-            f"{file} holds another model than --preset {preset}: {_olmo_core_shape(found, cfg)}"
+            f"{file} holds another model than the run's: {_olmo_core_shape(found, cfg)}"
             f"{'; '.join(diff[:3])}{f' ({len(diff)} differences)' if len(diff) > 3 else ''}"
         )
 
@@ -1593,7 +1678,7 @@ def _olmo_core_shape(found: dict, cfg: Olmo3Config) -> str:
     layers = len({k.split(".")[2] for k in found if k.startswith("model.blocks.")})
     rows, width = found.get("model.embeddings.weight", (None, None))
     said = [
-        f"{what} {a} (checkpoint) vs {b} (preset); "
+        f"{what} {a} (checkpoint) vs {b} (run); "
         for what, a, b in [
             ("n_layers", layers, cfg.n_layers),
             ("d_model", width, cfg.d_model),
@@ -1604,7 +1689,7 @@ def _olmo_core_shape(found: dict, cfg: Olmo3Config) -> str:
     return "".join(said)
 
 
-def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config, preset: str) -> None:
+def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config) -> None:
     """What the tensors' shapes cannot tell (heads of the same width, RoPE, the window, the norms' eps) from
     the config.json OLMo-core's trainer writes beside them, where there is one: refused naming the fields."""
     file = ckpt_dir / "config.json"
@@ -1628,8 +1713,8 @@ def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config, preset: str) -> Non
     ours = dict(
         zip(found, (cfg.n_heads, cfg.n_kv_heads, cfg.rope_full.theta, cfg.sliding_window, cfg.norm_eps))
     )
-    if diff := [f"{k} {v} (config.json) vs {ours[k]} (preset)" for k, v in found.items() if v != ours[k]]:
-        raise ValueError(f"{file} describes another model than --preset {preset}: {'; '.join(diff)}")
+    if diff := [f"{k} {v} (config.json) vs {ours[k]} (run)" for k, v in found.items() if v != ours[k]]:
+        raise ValueError(f"{file} describes another model than the run's: {'; '.join(diff)}")
 
 
 def adam_count(tensors: dict, cfg: Olmo3Config, file: Path) -> float:
@@ -1647,110 +1732,56 @@ def adam_count(tensors: dict, cfg: Olmo3Config, file: Path) -> float:
     return common
 
 
-def load_olmo_core(ckpt_dir, cfg: Olmo3Config, preset: str, weights_only: bool = False):
+def load_olmo_core(ckpt_dir, cfg: Olmo3Config, weights_only: bool = False, shardings=None, tally=None):
     """An OLMo-core step directory as (our model, (first moments, second moments, Adam's count) or None
-    with `weights_only`), checked against `cfg` first and read one tensor at a time."""
+    with `weights_only`), checked against `cfg` first (check_olmo_core) and read a tensor at a time; with
+    `shardings` each process reads only the chunks its devices' parts lie in (assemble)."""
     ckpt_dir = Path(ckpt_dir)
     tensors = read_dcp_metadata(ckpt_dir)
-    file = ckpt_dir / "model_and_optim" / ".metadata"
-    check_olmo_core_model(tensors, cfg, preset, file, weights_only)
-    check_olmo_core_config(ckpt_dir, cfg, preset)
     names = list(olmo_core_names(cfg))
 
     def tree(pattern: str, like):
-        read = lambda fqn, _: read_dcp_tensor(pattern.format(fqn), tensors[pattern.format(fqn)])
-        return assemble(like, names, read, cfg.padded_vocab)
+        read = lambda fqn, _, region: read_dcp_tensor(
+            pattern.format(fqn), tensors[pattern.format(fqn)], region
+        )
+        return assemble(like, names, read, cfg.padded_vocab, shardings, tally)
 
     model = tree("model.{}", olmo3.abstract(cfg))
     if weights_only:
         return model, None
     moments = [tree(f"optim.state.{{}}.{m}", eqx.filter(olmo3.abstract(cfg), is_array)) for m in ADAM_MOMENTS]
-    return model, (*moments, adam_count(tensors, cfg, file))
+    return model, (*moments, adam_count(tensors, cfg, ckpt_dir / "model_and_optim" / ".metadata"))
 
 
-def import_olmo_core(ckpt_dir, run_dir, train_cfg, weights_only: bool = False) -> float | None:
-    """An OLMo-core step directory as step 0 of a new run directory for train.py's recipe `train_cfg` (its
-    preset's model, its skip-step window): the weights, both Adam moments and Adam's count, which train.py
-    resumes as its optimizer state; the skip-step history starts empty, as OLMo-core's does after a load (it
-    is not saved). Everything is read and checked before RUN_DIR is touched. Reading holds one tensor beyond
-    what it has built, but the state is built whole in host memory before Orbax writes it (weights and two
-    moments in fp32, 12 bytes a parameter; Orbax copies it while it writes). Returns Adam's count."""
-    import train
-
-    cfg = train.model_config(train_cfg)  # the preset's model as the recipe uses it (stage 3: YaRN, 65,536)
-    model, adam = load_olmo_core(ckpt_dir, cfg, train_cfg.model_preset, weights_only)
-    write_first_step(run_dir, model, None if adam is None else carried_state(train_cfg, *adam), ckpt_dir)
-    return None if adam is None else adam[2]
-
-
-def carried_state(train_cfg, mu, nu, count) -> dict:
-    """train.py's state for step 0 of a new stage of recipe `train_cfg`: Adam's moments and step count carried
-    over, the skip-step history empty (OLMo-core does not save it, so a loaded run starts it afresh), and the
-    recipe's key."""
-    import train  # its OptState is what a run restores (train.py imports this module, so not at the top)
-
-    window = jnp.zeros(train_cfg.skip_window, jnp.float32)
-    opt = train.OptState(jnp.float32(count), mu, nu, window, window, jnp.zeros((), jnp.int32))
-    return {"opt": opt, "key": jax.random.key_data(jax.random.key(train_cfg.init_seed))}
+def check_olmo_core(ckpt_dir, cfg: Olmo3Config, weights_only: bool) -> None:
+    """An OLMo-core step directory must hold model `cfg`, and Adam's state unless `weights_only`: refused
+    in one line naming what differs, a damaged file or a foreign pickle, before anything is read."""
+    ckpt_dir = Path(ckpt_dir)
+    tensors = read_dcp_metadata(ckpt_dir)
+    check_olmo_core_model(tensors, cfg, ckpt_dir / "model_and_optim" / ".metadata", weights_only)
+    check_olmo_core_config(ckpt_dir, cfg)
+    if not weights_only:
+        adam_count(tensors, cfg, ckpt_dir / "model_and_optim" / ".metadata")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# A new stage from one of our runs, and the average of two runs (AI2's soup of the 32B's midtraining runs).
+# Averaging: the mean of two runs (AI2's soup of the 32B's midtraining runs).
 
 
 def model_differences(a: Olmo3Config, b: Olmo3Config) -> str:
-    """The fields of two models' HF configs that differ, as `field a vs b` (a long list by its length: the
-    layer types); '' if none."""
+    """Where `a` and `b` are different models, as `field a vs b` over their HF configs' fields (a long list by
+    its length: the layer types); '' if they are one model. The token ids and the longest context are left
+    out: no weight depends on them. The one test of "the same model?" for resumes, starts and averages."""
     ha, hb = config_to_hf(a), config_to_hf(b)
     short = lambda v: f"{len(v)} entries" if isinstance(v, list) and len(v) > 4 else repr(v)
     return ", ".join(
-        f"{k} {short(ha.get(k))} vs {short(hb.get(k))}" for k in {**ha, **hb} if ha.get(k) != hb.get(k)
+        f"{k} {short(ha.get(k))} vs {short(hb.get(k))}"
+        for k in {**ha, **hb}
+        if ha.get(k) != hb.get(k) and k not in NOT_THE_MODEL
     )
 
 
-def read_train_state(ckpts: Checkpoints, step: int):
-    """Step `step` of a run as (model, train.py's OptState), whole on this process's first device; the skip
-    window sized as that run's was. CorruptCheckpoint if it does not read back intact."""
-    import train
-
-    cfg = config_from_hf(ckpts.read_meta(step)["model"], f"{ckpts.dir / str(step)} meta")
-    saved = ckpts.manager.item_metadata(step).get("train")
-    if saved is None:
-        raise ValueError(
-            f"{ckpts.dir / str(step)} holds weights only (no Adam state to carry over: written by from-hf?); "
-            "start the new stage with `train.py --init_from_hf` on an export, or pick another checkpoint"
-        )
-    window = saved.tree["opt"]["losses"].shape[0]
-    model = olmo3.abstract(cfg)
-    opt = eqx.filter_eval_shape(train.init_opt, model, train.TrainConfig(skip_window=window))
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    model, state, _ = ckpts.read(step, on_first_device(model), on_first_device({"opt": opt, "key": key}))
-    return model, state["opt"]
-
-
-def next_stage(run_dir, new_run_dir, train_cfg, step: int | None = None) -> tuple[int, float]:
-    """A checkpoint of one of train.py's runs (the newest valid, or `step`) as step 0 of a new run directory
-    for the next stage's recipe `train_cfg`, as OLMo-core's trainer starts a stage (a checkpoint loaded with its
-    optimizer state, without its trainer state): the weights, both Adam moments and Adam's step count carried
-    over; the step counter, the data position and the skip-step history start afresh, and the LR is the new
-    recipe's. The state is built whole in host memory (12 bytes a parameter), as from-olmo-core's. Refused,
-    before NEW_RUN_DIR is touched, if the checkpoint is not of the recipe's model. Returns (step, Adam's count)."""
-    import train
-
-    ckpts = Checkpoints(run_dir, read_only=True)
-    try:
-        step, (model, opt) = ckpts.chosen(lambda s: read_train_state(ckpts, s), step)
-    finally:
-        ckpts.close()
-    new_cfg = train.model_config(train_cfg)  # a stage may extend the context: YaRN, a longer --seq_len
-    if diff := model_differences(train.extended_context(train_cfg, model.cfg), new_cfg):
-        raise ValueError(
-            f"{ckpts.dir / str(step)} holds another model than --preset {train_cfg.preset}'s "
-            f"({train_cfg.model_preset}): {diff} (checkpoint vs preset)"
-        )
-    model, state = with_config(model, new_cfg), carried_state(train_cfg, opt.mu, opt.nu, opt.count)
-    write_first_step(new_run_dir, model, state, ckpts.dir / str(step))
-    return step, float(opt.count)
+NOT_THE_MODEL = ("max_position_embeddings", "eos_token_id", "pad_token_id", "bos_token_id")
 
 
 def newest_model(run_dir) -> tuple[int, Olmo3]:
@@ -1768,6 +1799,8 @@ def average(run_a, run_b, out) -> tuple[int, int]:
     it, and train.py continues from it with Adam from zero (as AI2's stage 3 loads the average without optimizer
     state). Both models are held in host memory (fp32: 8 bytes a parameter), the mean taken a tensor at a time.
     Refused, before OUT is touched, if the two are not the same model. Returns the two steps."""
+    if Path(run_a).resolve() == Path(run_b).resolve():
+        raise ValueError(f"{run_a} and {run_b} are one run: its average with itself is itself; name two runs")
     (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
     if diff := model_differences(a.cfg, b.cfg):
         raise ValueError(f"{run_a} and {run_b} hold different models: {diff} ({run_a} vs {run_b})")
@@ -1782,7 +1815,7 @@ def average(run_a, run_b, out) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Command line
+# The command line
 
 
 def _directory_size(path: Path) -> int:
@@ -1809,7 +1842,20 @@ def list_checkpoints(run_dir) -> list[dict]:
     return rows
 
 
+# Commands whose work train.py now does, with what to run instead: a stage starts in one command.
+RETIRED = {
+    "next-stage": "python train.py --preset PRESET --init_from RUN_DIR[@STEP] --run_dir NEW_RUN_DIR",
+    "from-olmo-core": "python train.py --preset PRESET --init_from OLMO_CORE_STEP_DIR --run_dir NEW_RUN_DIR",
+}
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in RETIRED:
+        print(
+            f"error: `ckpt.py {argv[0]}` is retired; start the stage with: {RETIRED[argv[0]]}",
+            file=sys.stderr,
+        )
+        return 2
     parser = argparse.ArgumentParser(prog="ckpt.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="checkpoints of a run directory with step, size, time and validity")
@@ -1825,26 +1871,6 @@ def main(argv: list[str]) -> int:
     p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
-    p = sub.add_parser(
-        "from-olmo-core",
-        help="import an OLMo-core step directory, with its Adam state, as step 0 of a new run",
-    )
-    p.add_argument("checkpoint_dir", help="OLMo-core's stepN/ (config.json, model_and_optim/, train/)")
-    p.add_argument("run_dir")
-    p.add_argument("--preset", default="7b", help="train.py's preset the checkpoint must be the model of")
-    p.add_argument(
-        "--weights_only",
-        action="store_true",
-        help="import the weights alone (a checkpoint saved without Adam)",
-    )
-    p = sub.add_parser(
-        "next-stage",
-        help="a run's newest valid checkpoint (weights, Adam's moments and count) as step 0 of the next stage",
-    )
-    p.add_argument("run_dir", help="the previous stage's run directory")
-    p.add_argument("new_run_dir")
-    p.add_argument("--preset", required=True, help="train.py's preset of the new stage, e.g. 7b-midtrain")
-    p.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
     p = sub.add_parser(
         "average",
         help="the mean of two runs' weights (newest valid checkpoints) as step 0 of a new run, weights only",
@@ -1882,10 +1908,6 @@ def run_command(args) -> int:
         step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)
         print(f"wrote step {step} of {args.run_dir} to {args.out}")
         return 0
-    if args.command == "from-olmo-core":
-        return import_olmo_core_command(args)
-    if args.command == "next-stage":
-        return next_stage_command(args)
     if args.command == "average":
         step_a, step_b = average(args.run_a, args.run_b, args.out)
         print(
@@ -1901,34 +1923,6 @@ def run_command(args) -> int:
         else "no preset of train.py has this model's shape; add one to olmo3.MODELS and train.PRESETS"
     )
     print(f"wrote {args.hf_dir} as step 0 of {args.run_dir}; continue with:\n  {hint}")
-    return 0
-
-
-def train_preset(name: str):
-    import train
-
-    if name not in train.PRESETS:
-        raise ValueError(f"--preset {name}: expected one of {', '.join(train.PRESETS)}")
-    return train.PRESETS[name]
-
-
-def next_stage_command(args) -> int:
-    step, count = next_stage(args.run_dir, args.new_run_dir, train_preset(args.preset), args.step)
-    print(
-        f"wrote step {step} of {args.run_dir} (weights, Adam's moments, step count {count:g}) as step 0 of "
-        f"{args.new_run_dir}; continue with:\n  python train.py --preset {args.preset} --run_dir "
-        f"{args.new_run_dir} --data_root YOUR_DATA_ROOT"
-    )
-    return 0
-
-
-def import_olmo_core_command(args) -> int:
-    count = import_olmo_core(args.checkpoint_dir, args.run_dir, train_preset(args.preset), args.weights_only)
-    adam = "weights only: Adam starts from zero" if count is None else f"Adam's moments, step count {count:g}"
-    print(
-        f"wrote {args.checkpoint_dir} ({adam}) as step 0 of {args.run_dir}; continue with:\n"
-        f"  python train.py --preset {args.preset} --run_dir {args.run_dir} --data YOUR_TOKEN_FILES"
-    )
     return 0
 
 

@@ -804,12 +804,12 @@ def downstream_batches(task: DownstreamTask, rows: int, seq_len: int, width: int
 LOG2_E = 1.44269504089  # ICLMetric's log2(e), to its digits
 
 
-def request_scores(task: data.DownstreamTask, continuation: np.ndarray, picked: np.ndarray) -> dict:
+def request_scores(task: DownstreamTask, continuation: np.ndarray, picked: np.ndarray) -> dict:
     """ICLMetric.update: {document: {continuation id: (log-likelihood, CE loss, BPB, each as v2 and v1)}},
     v1 not counting the continuation's first character (its leading space); a length-normalised metric
     divides the log-likelihood by the characters. A fast multiple-choice request gives one per choice."""
     norm = task.metric_type in ("len_norm", "ce_loss", "bpb")
-    chars, n_bytes, chars_v1, bytes_v1 = (task.lengths[k].astype(float) for k in data.REQUEST_LENGTHS)
+    chars, n_bytes, chars_v1, bytes_v1 = (task.lengths[k].astype(float) for k in REQUEST_LENGTHS)
     scores = {}
     with np.errstate(divide="ignore"):  # a one-character continuation has no v1 length: inf, as in torch
         for i, doc in enumerate(task.doc_id.tolist()):

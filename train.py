@@ -1,14 +1,14 @@
-"""Stages 1, 2 and 3 of the OLMo 3 pretraining recipe, in one file: config, LR schedule, optimizer, loss, the train
-step, the run (its steps, its loop, main), and last the command line.
+"""Stages 1, 2 and 3 of the OLMo 3 pretraining recipe, in one file. The recipe comes first: config and presets,
+the LR schedule, the optimizer, the loss, the train step, the loop and main. Below a heading that says nothing
+there changes what a step computes: the run's setup and restore, batches and logging, the hardware fit, the
+dry run, the evaluation loops and the command line.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
     python train.py --preset 7b --data mix.txt --data_root /mnt/olmo-data --run_dir runs/7b
     python train.py --preset 7b --dry_run --topology v5p-512   # compile for a TPU slice from any machine
-    python train.py --preset 7b --init_from_hf Olmo-3-1025-7B-stage1-step0 ...
-    python ckpt.py next-stage runs/7b runs/7b-midtrain --preset 7b-midtrain   # stage 1's state as step 0 ...
-    python train.py --preset 7b-midtrain --data_root /mnt/olmo-data            # ... of stage 2 (midtraining)
-    python ckpt.py next-stage runs/7b-midtrain runs/7b-long-context --preset 7b-long-context
-    python train.py --preset 7b-long-context --mesh fsdp=-1,context=8 ...     # stage 3: 65,536-token rows
+    python train.py --preset 7b --init_from Olmo-3-1025-7B-stage1-step0 ...   # released weights (HF)
+    python train.py --preset 7b-midtrain --init_from runs/7b --data_root /mnt/olmo-data   # stage 2 from stage 1
+    python train.py --preset 7b-long-context --init_from runs/7b-midtrain --mesh fsdp=-1,context=8 ...  # stage 3
     python train.py --help                             # every flag, its default and what it does
 
 Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunning the same command with the
@@ -123,7 +123,7 @@ class TrainConfig:
     seq_len: int = recipe(8192, low=2)
     global_batch: int = recipe(512, low=1)  # instances per optimizer step: 512 x 8192 = 4,194,304 tokens
     seed: int = recipe(34521)  # data order: OLMo-core's PCG64(seed + epoch) permutation
-    init_seed: int = recipe(0)  # model init (torch's init cannot be reproduced bit for bit: --init_from_hf)
+    init_seed: int = recipe(0)  # model init (torch's init cannot be reproduced bit for bit: --init_from)
     pack_files: int = recipe(0, low=0)  # 0: instances cut from each file's tokens (stages 1 and 2); N:
     # documents (to each EOS, a longer one cut) packed best-fit into instances within groups of N files, the
     # padding out of the loss, attention kept within each document (stage 3: OLMo-core's
@@ -176,8 +176,12 @@ class TrainConfig:
     tasks: str = ",".join(OLMO3_TASKS)  # downstream tasks (olmo_eval's names, comma-separated; '' = none),
     # scored at each evaluation as OLMo-core's DownstreamEvaluator: eval/downstream/TASK (METRIC). Needs the
     # eval extra. Default: the 26 of the official 7B script
-    init_from_hf: str = ""  # start from released weights (e.g. AI2's stage1-step0) instead of random init
-    eval_only: bool = False  # evaluate the latest checkpoint (or --init_from_hf) and exit
+    init_from: str = ""  # where a run with no checkpoint yet starts: one of our run directories (its newest
+    # valid checkpoint, or RUN_DIR@STEP), an OLMo-core step directory (both with Adam's moments and count) or a
+    # Hugging Face directory (weights only); '' = random init. Read once: a rerun resumes from --run_dir
+    init_weights_only: bool = False  # with --init_from: its weights alone, Adam from zero (AI2's stage 3 of
+    # the 32B starts so from the midtraining soup)
+    eval_only: bool = False  # evaluate the latest checkpoint (or --init_from) and exit
     dry_run: bool = False  # compile one step for the mesh, print memory per device and FLOPs, exit
     topology: str = ""  # with --dry_run: compile for a TPU slice (v5p-512, v6e:16x16) or GPU host (h200x8)
     num_slices: int = flag(1, low=1)  # with --topology: that many slices (or GPU hosts), joined by DCN
@@ -254,8 +258,8 @@ PRESETS = {
         dp_ranks=1024,  # AI2's 32B ran one instance per rank
         run_dir="runs/32b",
     ),
-    # Stage 2 (midtraining) goes on from the weights and Adam state of stage 1's last step (`ckpt.py
-    # next-stage` or `from-olmo-core` writes them as step 0 of its run directory): 100B tokens of a new mix,
+    # Stage 2 (midtraining) goes on from the weights and Adam state of stage 1's last step (`--init_from`
+    # our stage-1 run or OLMo-core's step directory): 100B tokens of a new mix,
     # the LR decaying linearly from the script's literal to 0 (a new step count, data order and LR; Adam's own
     # step count goes on). OLMo-core's OLMo-3-1025-7B-midtrain.py: 2M tokens a step, so ceil(1e11 / 2**21) =
     # 47,684 steps; its LR is stage 1's cosine at step 476,838; no instance filter.
@@ -299,8 +303,8 @@ PRESETS["32b-midtrain-2"] = dataclasses.replace(
     data="OLMo-midtraining-mix-0925-ingredient2-100B.txt",
     run_dir="runs/32b-midtrain-2",
 )
-# Stage 3 (long context) goes on from stage 2's last step, weights and Adam state (`ckpt.py next-stage` or
-# `from-olmo-core`, as OLMo-core's script loads stage2/step47684 with its optimizer state): OLMo-core's
+# Stage 3 (long context) goes on from stage 2's last step, weights and Adam state (`--init_from`, as
+# OLMo-core's script loads stage2/step47684 with its optimizer state): OLMo-core's
 # OLMo-3-1025-7B-long-context.py. The longmino mix's documents packed into 65,536-token instances (groups of
 # 8 files, the files shuffled with seed 123, attention within each document), 64 a step (4,194,304 tokens),
 # YaRN x8 on the full layers, stage 2's LR literal decaying linearly to 0 after 200 warmup steps. RoPE's
@@ -337,6 +341,15 @@ PRESETS["32b-long-context"] = dataclasses.replace(
     run_dir="runs/32b-long-context",
 )
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
+# The stages that go on from another's state, as OLMo-core's stage scripts name a load_path: without
+# --init_from they are refused, unless --run_dir already holds the stage (a rerun resumes it).
+STARTS_FROM = {
+    "7b-midtrain": "stage 1 of the 7B (our runs/7b, or OLMo-core's stage1 step directory)",
+    "32b-midtrain-1": "stage 1 of the 32B at step 656,000",
+    "32b-midtrain-2": "stage 1 of the 32B at step 656,000",
+    "7b-long-context": "stage 2 of the 7B (our runs/7b-midtrain, or OLMo-core's stage2 step directory)",
+    "32b-long-context": "stage 1 of the 32B at step 656,000, or the average of its midtraining runs",
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -373,7 +386,7 @@ class OptState(eqx.Module):
 
 
 def init_opt(params: olmo3.Olmo3, cfg: TrainConfig) -> OptState:
-    zeros = lambda: jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_array))
+    zeros = lambda: jax.tree.map(jnp.zeros_like, eqx.filter(params, olmo3.is_array))
     window = lambda: jnp.zeros(cfg.skip_window, jnp.float32)
     return OptState(
         jnp.zeros((), jnp.float32), zeros(), zeros(), window(), window(), jnp.zeros((), jnp.int32)
@@ -506,7 +519,7 @@ def train_step(
     weight is all-gathered where a layer uses it (shard.Layout)."""
     rows, seq = batch.shape
     layout = None if mesh is None else shard.Layout(mesh)
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, olmo3.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     keep = jnp.ones(rows, bool) if keep is None else keep
     label_mask = jnp.ones((rows, seq), bool) if label_mask is None else label_mask
@@ -845,16 +858,15 @@ def padded_eval_sets(
 
 
 def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> None:
-    """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from_hf (random
+    """--eval_only needs held-out data, and weights: a checkpoint in --run_dir, or --init_from (random
     weights would print a loss that means nothing, for a run directory mistyped)."""
     if not eval_sets and not cfg.tasks:
         raise FlagError("--eval_only needs held-out data or tasks: set --eval_data or --tasks")
-    saved = Path(cfg.run_dir) / "checkpoints"
-    has_checkpoint = saved.is_dir() and ckpt.Checkpoints(cfg.run_dir, read_only=True).steps()
-    if not cfg.init_from_hf and not has_checkpoint:
+    has_checkpoint = ckpt.has_checkpoints(cfg.run_dir)
+    if not cfg.init_from and not has_checkpoint:
         raise FlagError(
             f"--eval_only: --run_dir {cfg.run_dir} holds no checkpoint to evaluate; expected the directory of "
-            "a run that saved one (or --init_from_hf)"
+            "a run that saved one (or --init_from)"
         )
     if has_checkpoint and not cfg.data:  # a checkpoint is checked against the data it was trained on
         raise FlagError(
@@ -884,18 +896,17 @@ def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute
 
 
 def restore_or_init(run: Run):
-    """(step, model, optimizer state, key): the newest valid checkpoint of the run directory, else released
-    weights (--init_from_hf), else a fresh init. Parameters and optimizer state are born sharded."""
+    """(step, model, optimizer state, key): the newest valid checkpoint of the run directory, else the stage's
+    start (--init_from), else a fresh init. Parameters and optimizer state are born sharded."""
     cfg, mesh = run.cfg, run.mesh
     model_like, opt_like = abstract_state(cfg, mesh, run.model_cfg, run.compute)
     model_sh, opt_sh = shard.shardings(model_like, mesh), shard.shardings(opt_like, mesh)
     shard.check_rules(model_like, mesh)
     make_opt = eqx.filter_jit(lambda m: eqx.filter_shard(init_opt(m, cfg), opt_sh))
-    key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
     refuse_mismatch = lambda meta: ckpt.check_resume(
         with_recipe_defaults(meta), run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
-    like = {"opt": opt_like, "key": key_like}
+    like = {"opt": opt_like, "key": key_like(mesh)}
     restored = run.checkpoints.restore_latest(
         model_like, like, check=refuse_mismatch, start_over=cfg.start_over
     )
@@ -903,17 +914,121 @@ def restore_or_init(run: Run):
     if restored:
         step, model, state, _ = restored
         say(f"resuming from {run.checkpoints.dir / str(step)} (step {step})")
-        if state is None:  # written by `ckpt.py from-hf`: weights only
+        if state is None:  # written by `ckpt.py from-hf` or `average`: weights only
             return step, model, make_opt(model), key
         return step, model, state["opt"], jax.random.wrap_key_data(state["key"])
-    if cfg.init_from_hf:
-        model = ckpt.load_hf(cfg.init_from_hf, shardings=model_sh, compute=run.compute)
-        model = ckpt.with_config(model, run.model_cfg)  # as this run extends it (--yarn, --seq_len)
-        say(f"starting from the weights in {cfg.init_from_hf}")
-    else:
-        init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
-        model = eqx.filter_jit(init)(key)
+    if cfg.init_from:
+        model, adam = read_start(run, model_like)
+        return 0, model, carried_over(make_opt(model), adam, mesh), key
+    init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
+    model = eqx.filter_jit(init)(key)
     return 0, model, make_opt(model), key
+
+
+def key_like(mesh):
+    """The RNG key's data as a checkpoint holds it: replicated."""
+    return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
+
+
+def init_source(cfg: TrainConfig) -> tuple[str, str, int | None]:
+    """--init_from as (path, its format: ckpt.format_of, step): RUN_DIR@STEP names a checkpoint of a run."""
+    at = re.fullmatch(r"(.+)@(\d+)", cfg.init_from)
+    path, step = (at[1], int(at[2])) if at else (cfg.init_from, None)
+    kind = ckpt.format_of(path)
+    if step is not None and kind != "run":
+        raise ValueError(f"@{step} names a checkpoint of one of our run directories; {path} is {kind}'s")
+    return path, kind, step
+
+
+def check_start(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config) -> None:
+    """Where the run starts, refused in one line before anything is written: a stage preset needs --init_from
+    unless --run_dir already holds the stage; --init_from must hold this run's model (once the stage has
+    extended its context) with Adam's state unless --init_weights_only, its files whole."""
+    if ckpt.has_checkpoints(cfg.run_dir):  # a resume: --init_from was read when the run started
+        if cfg.init_from and cfg.eval_only:
+            raise FlagError(
+                f"--eval_only --init_from {cfg.init_from}: --run_dir {cfg.run_dir} holds checkpoints too, so "
+                "which weights to score is ambiguous; drop --init_from, or give a --run_dir without checkpoints"
+            )
+        return
+    if not cfg.init_from:
+        if cfg.preset in STARTS_FROM and not cfg.eval_only:
+            raise FlagError(
+                f"--preset {cfg.preset} goes on from {STARTS_FROM[cfg.preset]}: name it with --init_from (a "
+                "run directory or RUN_DIR@STEP, an OLMo-core step directory, or a Hugging Face directory)"
+            )
+        return
+    as_run = functools.partial(extended_context, cfg)
+    try:
+        path, kind, step = init_source(cfg)
+        if kind == "run":
+            ckpt.check_run_start(path, step, model_cfg, as_run, cfg.init_weights_only)
+        elif kind == "olmo-core":
+            ckpt.check_olmo_core(path, model_cfg, cfg.init_weights_only)
+        else:
+            ckpt.check_hf(path, model_cfg, as_run)
+    except (OSError, ValueError, ckpt.CorruptCheckpoint) as e:
+        raise FlagError(f"--init_from {cfg.init_from}: {e}") from None
+
+
+def read_start(run: Run, model_like):
+    """--init_from (checked by check_start) as (model, (first moments, second moments, Adam's count) or None):
+    weights only from a Hugging Face directory or with --init_weights_only. Each process reads only the
+    shards its devices hold, straight onto them."""
+    cfg = run.cfg
+    path, kind, step = init_source(cfg)
+    tally, adam = ckpt.Tally(), None
+    model_sh = shard.shardings(model_like, run.mesh)
+    if kind == "run":
+        step, (model, adam) = read_run_start(run, path, step, model_like)
+        path = f"{path}@{step}"
+    elif kind == "olmo-core":
+        model, adam = ckpt.load_olmo_core(path, run.model_cfg, cfg.init_weights_only, model_sh, tally)
+    else:
+        model = ckpt.load_hf(path, shardings=model_sh, tally=tally)
+    adam = None if cfg.init_weights_only else adam
+    read = f"; this process {tally} of it" if tally.whole else ""
+    carried = "weights only: Adam from zero" if adam is None else "weights, Adam's moments and count"
+    say(f"starting from {path} ({kind}: {carried}){read}")
+    return with_statics(model, model_like), adam
+
+
+def read_run_start(run: Run, path: str, step: int | None, model_like):
+    """A checkpoint of one of our runs (the newest that reads back intact, or `step`) as (step, (model,
+    (mu, nu, count) or None)), its optimizer state shaped by that run's own skip window."""
+    ckpts = ckpt.Checkpoints(path, read_only=True)
+
+    def read(s):
+        saved = ckpts.saved_train_state(s)
+        if saved is None:  # weights only (check_start has made sure --init_weights_only asks for that)
+            return ckpts.read(s, model_like)[0], None
+        window = dataclasses.replace(run.cfg, skip_window=saved["opt"]["losses"].shape[0])
+        opt = eqx.filter_eval_shape(init_opt, model_like, window)
+        opt_like = shard.abstract(opt, shard.shardings(opt, run.mesh))
+        model, state, _ = ckpts.read(s, model_like, {"opt": opt_like, "key": key_like(run.mesh)})
+        return model, (state["opt"].mu, state["opt"].nu, state["opt"].count)
+
+    try:
+        return ckpts.chosen(read, step)
+    finally:
+        ckpts.close()
+
+
+def carried_over(opt: OptState, adam, mesh) -> OptState:
+    """A fresh optimizer state with Adam's moments and count carried over from the previous stage; the
+    skip-step history starts empty, as OLMo-core's does after a load (it does not save it)."""
+    if adam is None:
+        return opt
+    mu, nu, count = adam
+    count = jax.device_put(jnp.asarray(count, jnp.float32), shard.replicated(mesh))
+    moments = (with_statics(mu, opt.mu), with_statics(nu, opt.nu))
+    return eqx.tree_at(lambda o: (o.count, o.mu, o.nu), opt, (count, *moments))
+
+
+def with_statics(tree, like):
+    """`tree`'s arrays in `like`'s structure: the run's own config and compute policy for weights read
+    elsewhere (a stage may extend the context, e.g. YaRN; check_start has compared the shapes)."""
+    return eqx.combine(eqx.filter(tree, olmo3.is_array), eqx.filter(like, olmo3.is_array, inverse=True))
 
 
 def with_recipe_defaults(meta: dict) -> dict:
@@ -1223,6 +1338,7 @@ def main(cfg: TrainConfig) -> int:
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, target)
     run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
+    check_start(run.cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
     cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         open_run_dir(run)
@@ -1287,6 +1403,10 @@ def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
 BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
 
 
+# Flags of earlier versions, with what says the same now.
+RETIRED_FLAGS = {"init_from_hf": "--init_from HF_DIR (it takes our run directories and OLMo-core's too)"}
+
+
 def flag_pairs(argv: list[str], known: dict) -> list[tuple[str, str]]:
     """(name, text) for each flag of the command line: `--name value`, `--name=value`, or a bare `--name`
     for a boolean's true."""
@@ -1294,6 +1414,8 @@ def flag_pairs(argv: list[str], known: dict) -> list[tuple[str, str]]:
     while args:
         arg = args.pop(0)
         name, eq, value = arg.removeprefix("--").partition("=")
+        if name in RETIRED_FLAGS:
+            raise FlagError(f"--{name} is retired; use {RETIRED_FLAGS[name]}")
         if not arg.startswith("--") or name not in known:
             close = ", ".join("--" + c for c in difflib.get_close_matches(name, known, n=3))
             raise FlagError(f"unknown flag {arg}; " + (f"did you mean {close}?" if close else "see --help"))
@@ -1318,7 +1440,7 @@ def print_help(known: dict, preset: str) -> None:
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """`--preset NAME` picks the base; every other flag then sets one field. A bad value is refused as its
-    field is set (TrainConfig and olmo3.Compute check their own), here named by its flag; `check` refuses
+    field is set (TrainConfig and olmo3.Compute check their own), here named by its flag; check_flags refuses
     what spans fields. `--help` (or -h) lists the flags with the chosen preset's values."""
     known, helping = flags(), bool({"-h", "--help"} & set(argv))
     pairs = flag_pairs([a for a in argv if a not in ("-h", "--help")], known)
@@ -1360,6 +1482,8 @@ def check_flags(cfg: TrainConfig) -> None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
     if cfg.wandb and not cfg.dry_run and importlib.util.find_spec("wandb") is None:
         raise FlagError(f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'")
+    if cfg.init_weights_only and not cfg.init_from:
+        raise FlagError("--init_weights_only: goes with --init_from SOURCE")
     if cfg.wandb_run and not cfg.wandb:
         raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
     values = dataclasses.asdict(cfg) | dataclasses.asdict(cfg.compute)
@@ -1377,16 +1501,9 @@ def check_flags(cfg: TrainConfig) -> None:
     if cfg.tasks and not cfg.dry_run:
         check_tasks(cfg.tasks)
     try:  # the head layout must fit the preset's width
-        model = model_config(cfg)
+        model_config(cfg)
     except ValueError as e:
         raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
-    try:  # released weights must be the preset's model
-        if cfg.init_from_hf:
-            ckpt.check_hf_model(
-                cfg.init_from_hf, model, cfg.model_preset, functools.partial(extended_context, cfg)
-            )
-    except ValueError as e:
-        raise FlagError(str(e)) from None
 
 
 def check_tasks(tasks: str) -> None:
