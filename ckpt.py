@@ -1337,6 +1337,23 @@ def _fresh_dir(out: Path) -> Path:
     return tmp
 
 
+def _write_shards(folder: Path, tensors, shard_bytes: int) -> list[list[str]]:
+    """(name, array) pairs written in order as folder/shard-1.safetensors, ..., each of about `shard_bytes`;
+    returns each shard's tensor names. Host memory holds one shard."""
+    from safetensors.numpy import save_file
+
+    shards, current, size = [], {}, 0
+    for name, t in tensors:
+        if size and size + t.nbytes > shard_bytes:
+            shards.append(sorted(current))
+            save_file(current, folder / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
+            current, size = {}, 0
+        current[name], size = t, size + t.nbytes
+    shards.append(sorted(current))
+    save_file(current, folder / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
+    return shards
+
+
 def save_hf(
     model: Olmo3,
     path,
@@ -1348,30 +1365,19 @@ def save_hf(
     """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
     cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
     `extra` files (name -> text: the tokenizer's)."""
-    from safetensors.numpy import save_file
-
     cfg, out = model.cfg, Path(path)
     tmp = _fresh_dir(out)
     np_dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}[dtype]
-    shards, current, size = [], {}, 0
 
-    def flush():
-        nonlocal current, size
-        if current:
-            shards.append(sorted(current))
-            save_file(current, tmp / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
-        current, size = {}, 0
+    def tensors():
+        for leaf, layer, name, n_in in hf_names(cfg):
+            w = leaf_at(model, leaf) if layer is None else leaf_at(model, leaf)[layer]
+            t = ours_to_hf(
+                np.asarray(jax.device_get(w)), n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None
+            )
+            yield name, np.ascontiguousarray(t.astype(np_dtype))
 
-    for leaf, layer, name, n_in in hf_names(cfg):
-        w = np.asarray(jax.device_get(leaf_at(model, leaf) if layer is None else leaf_at(model, leaf)[layer]))
-        t = np.ascontiguousarray(
-            ours_to_hf(w, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None).astype(np_dtype)
-        )
-        if size and size + t.nbytes > shard_bytes:
-            flush()
-        current[name], size = t, size + t.nbytes
-    flush()
-
+    shards = _write_shards(tmp, tensors(), shard_bytes)
     if len(shards) == 1:
         (tmp / "shard-1.safetensors").rename(tmp / "model.safetensors")
     else:

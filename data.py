@@ -1204,6 +1204,20 @@ def _load_docs(srcs: list[str], text_field: str, cache_dir: str):
     return datasets.concatenate_datasets(parts)
 
 
+def _make_writable_out(out_dir: str) -> None:
+    """--out made, empty of token files and writable, or one line naming it."""
+    if glob.glob(os.path.join(out_dir, "part-*.npy")):
+        raise DataError(f"--out {out_dir} already holds token files; remove them or choose another --out")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {out_dir} cannot be made ({e.strerror}); choose another --out") from e
+    if not os.access(out_dir, os.W_OK):  # before `datasets` fails on its cache folder inside it
+        raise DataError(
+            f"--out {out_dir} is not writable (a read-only mount or permissions); choose another --out"
+        )
+
+
 def tokenize(
     srcs: list[str],
     out_dir: str,
@@ -1218,17 +1232,8 @@ def tokenize(
     from tqdm import tqdm
 
     srcs = expand(list(srcs), "source")
-    if glob.glob(os.path.join(out_dir, "part-*.npy")):
-        raise DataError(f"--out {out_dir} already holds token files; remove them or choose another --out")
     tok = get_tokenizer(tokenizer, tokenizer_path)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"--out {out_dir} cannot be made ({e.strerror}); choose another --out") from e
-    if not os.access(out_dir, os.W_OK):  # before `datasets` fails on its cache folder inside it
-        raise DataError(
-            f"--out {out_dir} is not writable (a read-only mount or permissions); choose another --out"
-        )
+    _make_writable_out(out_dir)
     dtype = dtype_for_vocab(tok.vocab_size)
     cache_dir = os.path.join(out_dir, f".tokenize-{uuid.uuid4().hex[:8]}")  # datasets' arrow files, deleted
     try:
@@ -1248,17 +1253,8 @@ def tokenize(
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     files = [f"part-{k:05d}.npy" for k in range(len(sizes))]
-    meta = {
-        "tokenizer": tokenizer,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "dtype": str(dtype),
-        "num_docs": len(ds),
-        "num_tokens": sum(sizes),
-        "files": files,
-        "file_tokens": sizes,
-        "sources": list(srcs),
-    }
+    meta = dict(tokenizer=tokenizer, vocab_size=tok.vocab_size, eos_id=tok.eos_id, dtype=str(dtype))
+    meta |= dict(num_docs=len(ds), num_tokens=sum(sizes), files=files, file_tokens=sizes, sources=list(srcs))
     with _atomic(os.path.join(out_dir, "metadata.json"), "w") as f:
         json.dump(meta, f, indent=1)
     return [os.path.join(out_dir, file) for file in files]

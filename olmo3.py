@@ -973,13 +973,19 @@ class Olmo3(eqx.Module):
             context=context,
             max_documents=compute.max_documents,
         )
-        dense = functools.partial(block_linear, fp8=compute.fp8) if compute.fp8 else linear
+        x = model.layer_stack(x, layout, attend, positions)
+        x = rms_norm(x, model.norm, cfg.norm_eps)
+        return x if context == 1 else _row_order(x, context, x.ndim - 2)
 
-        # The stack runs as a scan over groups of `period` layers (4 for OLMo 3: S, S, S, F), so the
-        # compiled program holds one group whatever the depth, and each layer's window is static.
+    def layer_stack(self, x, layout, attend, positions) -> Float[Array, "*batch seq embed"]:
+        """The blocks, in order, on hidden states `x`. They run as a scan over groups of `period` layers (4 for
+        OLMo 3: S, S, S, F), so the compiled program holds one group whatever the depth, and each layer's
+        window is static."""
+        cfg, compute, seq = self.cfg, self.compute, x.shape[-2]
+        dense = functools.partial(block_linear, fp8=compute.fp8) if compute.fp8 else linear
         types = cfg.layer_types[: cfg.period]
         ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in set(types)}
-        groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), model.layers)
+        groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), self.layers)
 
         def group(x, blocks):
             for i, t in enumerate(types):
@@ -990,9 +996,7 @@ class Olmo3(eqx.Module):
 
         if compute.remat != "none":
             group = jax.checkpoint(group, policy=REMAT_POLICIES[compute.remat])
-        x, _ = jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)
-        x = rms_norm(x, model.norm, cfg.norm_eps)
-        return x if context == 1 else _row_order(x, context, x.ndim - 2)
+        return jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)[0]
 
 
 def block_linears(model: "Olmo3") -> list:

@@ -69,35 +69,25 @@ def recipe(default, **accepts):
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
 
+
 # The downstream tasks of OLMo-core's official OLMo-3-1025-7B-pretrain-1.py (its "fast" set; the 32B's too).
-OLMO3_TASKS = (
-    *[
-        f"arc_{level}_test_{kind}"
-        for level in ("challenge", "easy")
-        for kind in ("bpb_5shot", "mc_5shot_fast")
-    ],
-    "hellaswag_bpb_5shot",
-    *[
-        f"mmlu_{group}_test_{kind}"
-        for group in ("humanities", "other", "social_sciences", "stem")
-        for kind in ("bpb_5shot", "mc_5shot_fast")
-    ],
-    *[
-        f"basic_skills_{skill}_rc_5shot"
-        for skill in (
-            "arithmetic",
-            "coding",
-            "common_knowledge",
-            "logical_reasoning",
-            "pattern",
-            "string_operations",
-        )
-    ],
-    "codex_humaneval_gold_bpb_3shot",
-    "codex_mbpp_gold_bpb_3shot",
-    "minerva_math_500_gold_bpb_0shot",
-    *[f"mt_mbpp_{language}_gold_bpb_3shot" for language in ("cpp", "java", "rust")],
-    "copycolors_10way_fast",
+MMLU_GROUPS = ("humanities", "other", "social_sciences", "stem")
+BASIC_SKILLS = (
+    "arithmetic",
+    "coding",
+    "common_knowledge",
+    "logical_reasoning",
+    "pattern",
+    "string_operations",
+)
+OLMO3_TASKS = tuple(
+    [f"arc_{level}_test_{kind}" for level in ("challenge", "easy") for kind in ("bpb_5shot", "mc_5shot_fast")]
+    + ["hellaswag_bpb_5shot"]
+    + [f"mmlu_{group}_test_{kind}" for group in MMLU_GROUPS for kind in ("bpb_5shot", "mc_5shot_fast")]
+    + [f"basic_skills_{skill}_rc_5shot" for skill in BASIC_SKILLS]
+    + ["codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot", "minerva_math_500_gold_bpb_0shot"]
+    + [f"mt_mbpp_{language}_gold_bpb_3shot" for language in ("cpp", "java", "rust")]
+    + ["copycolors_10way_fast"]
 )
 
 
@@ -297,12 +287,14 @@ PRESETS = {
         run_dir="runs/32b-midtrain-1",
     ),
 }
+
 PRESETS["32b-midtrain-2"] = dataclasses.replace(
     PRESETS["32b-midtrain-1"],
     preset="32b-midtrain-2",
     data="OLMo-midtraining-mix-0925-ingredient2-100B.txt",
     run_dir="runs/32b-midtrain-2",
 )
+
 # Stage 3 (long context) goes on from stage 2's last step, weights and Adam state (`--init_from`, as
 # OLMo-core's script loads stage2/step47684 with its optimizer state): OLMo-core's
 # OLMo-3-1025-7B-long-context.py. The longmino mix's documents packed into 65,536-token instances (groups of
@@ -327,6 +319,7 @@ PRESETS["7b-long-context"] = dataclasses.replace(
     steps=11_921,
     run_dir="runs/7b-long-context",
 )
+
 # OLMo-core's OLMo-3-1025-32B-long-context.py, from the 32B's stage-1 step 656,000 (its load_path; the
 # released 32B's stage 3 started from the midtraining soup): the 0925 longmino mix, 128 instances a step
 # (8,388,608 tokens) for Duration.tokens(1e11): ceil(1e11 / 2**23) = 11,921 steps; the 32B's instance filter.
@@ -340,7 +333,10 @@ PRESETS["32b-long-context"] = dataclasses.replace(
     repeat_filter=32,
     run_dir="runs/32b-long-context",
 )
+
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
+
+
 # The stages that go on from another's state, as OLMo-core's stage scripts name a load_path: without
 # --init_from they are refused, unless --run_dir already holds the stage (a rerun resumes it).
 STARTS_FROM = {
@@ -546,43 +542,9 @@ def train_step(
     return model, opt, dict(loss=ce + z, ce_loss=ce, z_loss=z, grad_norm=grad_norm, skipped=skipped)
 
 
-@eqx.filter_jit
-def eval_step(model, batch, label_mask, chunk: int, mesh=None):
-    """(summed CE, positions counted) of padded held-out instances, as OLMo-core scores them: get_labels gives
-    position t the label token t + 1 if that one is label-masked (a document's last position has none), and
-    LMEvaluator averages over every label-masked position, one without a label counting 0."""
-    layout = None if mesh is None else shard.Layout(mesh)
-    scored = label_mask & jnp.pad(label_mask[:, 1:], ((0, 0), (0, 1)))  # masked, with a masked next token
-    w, targets = model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1)
-    (ce, _), _, _ = olmo3.lm_head_sums(model.features(batch, layout), w, loss_sums, targets, scored, chunk)
-    return ce, label_mask.sum()
-
-
-def logprob_sums(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"], mask):
-    """Per instance, the summed log-probability of its scored targets (lm_head_sums' per-instance sums)."""
-    ce, _ = cross_entropy(logits, targets)
-    return (jnp.where(mask, -ce, 0.0).sum(-1),)
-
-
-@eqx.filter_jit
-def downstream_step(model, request_ids, tokens, targets, scored, at, choices, chunk: int, mesh=None):
-    """What ICLMetric needs of a batch of requests, and no more (never a batch's logits): per request its
-    continuation's log-probability (the scored positions' targets), and each choice token's log-probability
-    at position `at`; with the request ids, as every process gets them (with several processes a global
-    array's rows are not in the batch's order: shard.put_batch)."""
-    layout = None if mesh is None else shard.Layout(mesh)
-    x, w = model.features(tokens, layout), model.as_used(layout).lm_head
-    (continuation,), _, _ = olmo3.lm_head_sums(x, w, logprob_sums, targets, scored, chunk)
-    x_at = x[jnp.arange(x.shape[0]), at]  # batch embed
-    # The logits in x's dtype, as the LM head makes them (bf16 under a bf16 policy), then upcast as the loss.
-    log_probs = jax.nn.log_softmax(olmo3.linear(x_at, w, out_dtype=x.dtype).astype(jnp.float32))
-    picked = jnp.take_along_axis(log_probs, jnp.maximum(choices, 0), axis=-1)
-    out = (request_ids, continuation, picked)
-    return out if mesh is None else jax.lax.with_sharding_constraint(out, shard.replicated(mesh))
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Recipe decisions that depend on the hardware.
+# Recipe decisions that depend on the hardware: the attention kernel, the model and its context, the
+# compute policy.
 
 
 def attention_kernel(cfg: TrainConfig, platform: str) -> str:
@@ -621,106 +583,138 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
     """The compute policy with the attention kernel decided for the mesh's devices; refused (FlagError) where
     the kernel cannot run what the recipe asks."""
     kernel = attention_kernel(cfg, mesh.devices.flat[0].platform)
-    if mesh.shape["context"] > 1:
-        check_context(cfg, mesh.shape["context"], kernel)
-    if cfg.pack_files and kernel == "cudnn" and cfg.dry_run and not cfg.compute.max_documents:
-        raise FlagError(
-            "--max_documents 0: cuDNN's packed attention compiles for a most documents a row, which a run "
-            "counts in its data and a dry run has none of; expected --max_documents N (the padding one of them)"
-        )
+    check_kernel(cfg, mesh, kernel)
     return dataclasses.replace(cfg.compute, attention=kernel)
 
 
-def documents_bound(cfg: TrainConfig, compute: olmo3.Compute, loader) -> olmo3.Compute:
-    """`compute` with cuDNN's bound on a packed row's documents (Compute.max_documents): --max_documents,
-    refused below the data's most, or (0) the data's most, counted before anything compiles."""
-    if not cfg.pack_files or loader is None or compute.attention != "cudnn":
-        return compute
-    most, given = loader.packed.most_documents(), compute.max_documents
-    if given and most > given:
-        raise FlagError(
-            f"--max_documents {given}: the packed data has a row of {most} documents (the padding "
-            f"one of them); expected at least {most}, or 0 (the data's most)"
-        )
-    bound = given or most
-    say(f"cuDNN packed attention: compiled for up to {bound} documents a row ({most} in the data)")
-    return dataclasses.replace(compute, max_documents=bound)
+# ---------------------------------------------------------------------------------------------------------
+# The loop and main(). The loop calls four seams, named here together, which tests replace to act at a
+# given step (tests/faults.py): take_step, save, evaluate and log_step.
 
 
-def check_context(cfg: TrainConfig, n: int, kernel: str) -> None:
-    """A context axis of n devices splits each row into 2n chunks (olmo3.balanced_order): --seq_len must
-    divide into them, and on the blocked and Splash kernels each chunk into whole sliding windows, so that a
-    sliding layer needs only the window before each chunk (a neighbour's) and not the whole row."""
-    where = f"--mesh {cfg.mesh} (context={n})"
-    if kernel == "cudnn":
-        raise FlagError(
-            f"{where}: attention 'cudnn' does not run with a context axis yet; expected --attention local "
-            "(or reference), or a mesh without context (fsdp and tensor axes)"
-        )
-    if cfg.seq_len % (2 * n):
-        raise FlagError(f"{where}: --seq_len {cfg.seq_len} does not split into {2 * n} equal chunks")
-    window, chunk = model_config(cfg).sliding_window, cfg.seq_len // (2 * n)
-    if kernel != "reference" and window < cfg.seq_len and chunk % window:
-        raise FlagError(
-            f"{where}: each device's chunks of {chunk} positions are not whole sliding windows of {window}; "
-            f"expected context=N with --seq_len / 2N a multiple of {window}, or --attention reference"
-        )
+def take_step(run: "Run", step: int, model, opt, batch, **extras):
+    """Dispatch optimizer step `step` (1, 2, ...) on `batch` and its `extras` (read_batches); returns at once,
+    the devices work on. The seam tests use to act at a given step."""
+    lr = jnp.float32(lr_at(step, run.cfg))
+    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **extras)
 
 
-def microbatches(cfg: TrainConfig, mesh, microbatch: int = 0) -> int:
-    """Gradient-accumulation steps: the batch's rows split over (data, fsdp), each device's share into
-    microbatches of `microbatch` rows (default --microbatch; 0: the whole share at once)."""
-    n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    per_device = cfg.global_batch // n_shards
-    microbatch = microbatch or cfg.microbatch or per_device
-    if cfg.global_batch % n_shards or microbatch == 0 or per_device % microbatch:
-        raise FlagError(
-            f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
-            f"devices of --mesh {cfg.mesh} whose {per_device} rows per device divide into "
-            f"--microbatch {microbatch}"
-        )
-    return per_device // microbatch
+def save(run: "Run", step: int, model, opt, key) -> None:
+    """Start writing checkpoint `step` in the background; a failure surfaces at the next step boundary."""
+    # One global array: Orbax cannot save an array that lives on one process only.
+    key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(run.mesh))
+    run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
 
 
-def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -> int:
-    """microbatches(), but where --microbatch is not given and the devices state their memory (`hbm` bytes
-    each: TPUs, GPUs, a --topology; a CPU states none): the fewest microbatches whose step the target's
-    compiler says fits, by bisection over the divisors of each device's rows (memory grows with the rows
-    taken at once), so that a preset fits the chips it is given. `compile_for(n_micro)` compiles the step
-    (compile_step); each try is one compile (minutes for the 7B). If even one row at a time does not fit,
-    one row it is, and the dry run's table says what would."""
-    n_micro = microbatches(cfg, mesh)
-    if cfg.microbatch or not hbm:
-        return n_micro
-    per_device = cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
-    sizes = [rows for rows in range(1, per_device + 1) if per_device % rows == 0]
-    need = {}  # rows at once -> bytes per device, as compiled
+def evaluate(run: "Run", step: int, model) -> dict:
+    """The held-out sets (lm_row) and the downstream tasks (downstream_row), logged as step `step`'s eval
+    row and printed as tables."""
+    row = dict(step=step)
+    row |= lm_row(run, model) if run.eval_sets else {}
+    row |= downstream_row(run, model) if run.tasks else {}
+    run.log.write(row)
+    print_eval_tables(run, step, row)
+    return row
 
-    def fits(rows: int) -> bool:
-        say(f"microbatch: compiling with {rows} row(s) per device at a time, to see whether it fits ...")
-        need[rows] = shard.memory_use(lambda: compile_for(per_device // rows))[1]
-        return need[rows] <= hbm
 
-    fit, too_big = -1, len(sizes) - 1  # indices into sizes: the largest known to fit, the smallest not
-    if fits(sizes[-1]):
-        return n_micro
-    while too_big - fit > 1:
-        mid = (fit + too_big) // 2
-        fit, too_big = (mid, too_big) if fits(sizes[mid]) else (fit, mid)
-    rows = sizes[max(fit, 0)]
-    gib = lambda b: f"{b / 2**30:.1f} GiB"
-    verdict = f"the most that fit: {gib(need[rows])}" if fit >= 0 else "and even that does not fit"
-    say(
-        f"microbatch: {rows} row(s) per device at a time ({per_device // rows} microbatches), {verdict} of "
-        f"{gib(hbm)} per device ({per_device} rows at once: {gib(need[per_device])}); --microbatch sets it"
-    )
-    return per_device // rows
+def log_step(
+    run: "Run", step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter: ckpt.Progress
+):
+    """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
+    metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+    stop_on_nan(run, step, metrics)
+    run.log.write(metrics_row(run, step, metrics, wait, batch_hash, filtered, meter))
+
+
+def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, key):
+    """Steps start + 1 ... --steps, saving and evaluating on the way: (the model, whether a preemption
+    stopped it early). Step k + 1 is dispatched before step k's numbers are read, so the host never keeps
+    the devices waiting."""
+    cfg = run.cfg
+    prefetch = read_batches(run, start)
+    batches = iter(prefetch)
+    meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            _, (batch, extras, batch_hash, filtered), wait = next(batches)
+            model, opt, metrics = take_step(run, step, model, opt, batch, **extras)
+            if pending:  # read the previous step's numbers while this one runs
+                log_step(run, *pending, meter)
+            run.checkpoints.check()  # a failed background save stops the run here
+            pending = (step, metrics, wait, batch_hash, filtered)
+            stop = preemption.requested(step, run.checkpoints)
+            do_eval = bool(run.eval_sets or run.tasks) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
+            # Never evaluate or checkpoint a state whose loss was not checked; and the first step compiles,
+            # so its numbers are read at once: its time is its own, not the next step's too.
+            if do_eval or do_save or step == start + 1:
+                log_step(run, *pending, meter)
+                pending = None
+                meter.pause()  # saving and evaluating are not training: no step's tokens/s counts them
+                try:  # evaluated first: a run killed mid-save retakes the step, its evaluation too
+                    if do_eval:
+                        evaluate(run, step, model)
+                except BaseException:  # the step is good, its evaluation is not: keep the step, then stop
+                    save(run, step, model, opt, key)
+                    raise
+                if do_save:
+                    save(run, step, model, opt, key)
+                meter.resume()
+            if stop:
+                say(f"saved step {step}; exiting for the preemption")
+                break
+    except BaseException:
+        run.checkpoints.close(failing=True)  # an in-flight save of a good step still commits
+        raise
+    finally:
+        prefetch.close()
+        meter.bar.close()
+    return model, stop
+
+
+def main(cfg: TrainConfig) -> int:
+    check_flags(cfg)
+    mesh, target = start_devices(cfg)
+    model_cfg, compute = model_config(cfg), compute_policy(cfg, mesh)
+    announce(cfg, mesh, model_cfg, compute)
+    if cfg.dry_run:
+        return dry_run(cfg, mesh, model_cfg, compute, target)
+    run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
+    check_start(run.cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
+    cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
+    with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
+        open_run_dir(run)
+        start, model, opt, key = restore_or_init(run)
+        run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
+        if cfg.eval_only or start < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
+            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, run.compute, n_micro)
+            run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
+        if cfg.eval_only:
+            evaluate(run, start, model)
+        elif start >= cfg.steps:
+            say(f"run already complete: step {start}")
+        else:
+            ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
+            run.log.open()
+            trains = True
+            model, stopped = train_loop(run, preemption, start, model, opt, key)
+        run.checkpoints.close()
+        run.log.close()
+    if trains and not stopped:
+        plot_and_sample(run, model)
+    return 0
+
+
+# =========================================================================================================
+# Nothing below changes what a train step computes: the run's setup and restore, batches and logging, the
+# hardware fit, the dry run, the evaluation loops and the command line.
+# =========================================================================================================
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The run, in named steps: start the devices, set up (data, run directory, restore or initialise), take a
-# step, log it, evaluate, save. The loop that calls them, train_loop(), and main() follow; the command line
-# comes last.
+# The run's setup and restore: start the devices, set up (data, run directory), then restore the newest
+# checkpoint, or start the stage from --init_from, or initialise.
 
 
 def say(*args) -> None:
@@ -930,6 +924,15 @@ def key_like(mesh):
     return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
 
 
+def with_recipe_defaults(meta: dict) -> dict:
+    """A checkpoint's metadata with each recipe field it predates (e.g. --schedule) at its default, which is
+    what that run trained with."""
+    if "config" not in meta:
+        return meta
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in RECIPE_FIELDS}
+    return meta | {"config": defaults | meta["config"]}
+
+
 def init_source(cfg: TrainConfig) -> tuple[str, str, int | None]:
     """--init_from as (path, its format: ckpt.format_of, step): RUN_DIR@STEP names a checkpoint of a run."""
     at = re.fullmatch(r"(.+)@(\d+)", cfg.init_from)
@@ -1031,13 +1034,8 @@ def with_statics(tree, like):
     return eqx.combine(eqx.filter(tree, olmo3.is_array), eqx.filter(like, olmo3.is_array, inverse=True))
 
 
-def with_recipe_defaults(meta: dict) -> dict:
-    """A checkpoint's metadata with each recipe field it predates (e.g. --schedule) at its default, which is
-    what that run trained with."""
-    if "config" not in meta:
-        return meta
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in RECIPE_FIELDS}
-    return meta | {"config": defaults | meta["config"]}
+# ---------------------------------------------------------------------------------------------------------
+# Batches and logging.
 
 
 def read_batches(run: Run, start: int) -> data.Prefetcher:
@@ -1059,98 +1057,32 @@ def read_batches(run: Run, start: int) -> data.Prefetcher:
     return data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
 
 
-def take_step(run: Run, step: int, model, opt, batch, **extras):
-    """Dispatch optimizer step `step` (1, 2, ...) on `batch` and its `extras` (read_batches); returns at once,
-    the devices work on. The seam tests use to act at a given step."""
-    lr = jnp.float32(lr_at(step, run.cfg))
-    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **extras)
-
-
-def log_step(
-    run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter: ckpt.Progress
-):
-    """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
-    metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+def stop_on_nan(run: Run, step: int, metrics: dict) -> None:
+    """A NaN loss or grad norm stops the run, naming the last checkpoint to go back to."""
     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
         saved = [run.checkpoints.dir / str(s) for s in run.checkpoints.steps()]
         last = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint yet"
         raise FloatingPointError(
             f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; stopping ({last})"
         )
+
+
+def metrics_row(
+    run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter
+) -> dict:
+    """Step `step`'s row of metrics.jsonl: the step's numbers, its LR, speed and MFU, the data's hash."""
     tokens_per_s, peak = meter.tick(metrics["loss"]), shard.peak_flops(run.mesh.devices.flat[0])
     flops_per_s = tokens_per_s * run.model_cfg.flops_per_token(run.cfg.seq_len)
     batch_hash, filtered = shard.sum_over_processes([batch_hash, filtered])  # each process read its own rows
     row = dict(step=step, **metrics, lr=lr_at(step, run.cfg), filtered=filtered, tokens_per_s=tokens_per_s)
     row["mfu"] = flops_per_s / (peak * run.mesh.size) if peak else None
-    row |= dict(
+    return row | dict(
         tokens=step * meter.tokens_per_step, data_wait_s=wait, batch_hash=data.format_hash(batch_hash)
     )
-    run.log.write(row)
 
 
-def eval_set_loss(run: Run, model, held: data.PaddedEvalSet) -> float:
-    """One held-out set's CE per token, as OLMo-core's LMEvaluator: the mean over the label-masked positions
-    of the whole set (or its first --eval_batches batches' worth), in batches of a train microbatch's rows
-    (what fits the devices; the last filled with empty rows: one compiled program for every set)."""
-    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
-    n = min(len(held), cfg.eval_batches * cfg.global_batch) if cfg.eval_batches else len(held)
-    size = cfg.global_batch // run.n_micro
-    local = np.arange(rank, size, world)  # this process's rows of each batch, as in training
-    put = lambda rows: shard.put_batch(rows, run.mesh, size)
-    total = count = 0
-    for first in range(0, n, size):
-        tokens, mask = held.rows(first + local, stop=n)
-        ce, counted = eval_step(model, put(tokens), put(mask), cfg.loss_chunk, run.mesh)
-        total, count = total + ce, count + counted
-    return float(total) / int(count)
-
-
-def lm_row(run: Run, model) -> dict:
-    """Every held-out set's CE loss and PPL under OLMo-core's names (eval/lm/LABEL/CE loss, eval/lm/LABEL/PPL;
-    eval_loss and eval_ppl: the first set's). PPL is exp(CE), capped at exp(50) so a diverged model's row
-    stays finite JSON."""
-    row = {}
-    for held in run.eval_sets:
-        ce = eval_set_loss(run, model, held)
-        row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"] = ce, math.exp(min(ce, 50))
-    first = run.eval_sets[0].label
-    return row | dict(eval_loss=row[f"eval/lm/{first}/CE loss"], eval_ppl=row[f"eval/lm/{first}/PPL"])
-
-
-def task_scores(run: Run, model, task: data.DownstreamTask, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every request's continuation log-probability and its choices' (downstream_step), in batches of as
-    many tokens as the train step's microbatch (OLMo-core sizes its evaluation batches so too)."""
-    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
-    continuation, picked = np.zeros(len(task.queries)), np.zeros((len(task.queries), width))
-    for batch in data.downstream_batches(task, cfg.global_batch // run.n_micro, cfg.seq_len, width):
-        local = np.arange(rank, len(batch[0]), world)  # this process's rows, as in training
-        put = lambda a: shard.put_batch(a[local], run.mesh, len(a))
-        chunk = math.gcd(batch[1].shape[1], cfg.loss_chunk)  # a divisor of this batch's length
-        ids, cont, lp = (np.asarray(a) for a in downstream_step(model, *map(put, batch), chunk, run.mesh))
-        continuation[ids[ids >= 0]], picked[ids[ids >= 0]] = cont[ids >= 0], lp[ids >= 0]
-    return continuation, picked
-
-
-def downstream_row(run: Run, model) -> dict:
-    """Every task's ICLMetric metrics, named as OLMo-core records them (eval/downstream/TASK (LABEL)); and,
-    where olmo_eval cut requests on the left to fit the context, how many (eval/downstream/TASK (requests
-    truncated))."""
-    width = max([1, *(task.choices.shape[1] for task in run.tasks)])  # one program shape for every task
-    row = {}
-    for task in run.tasks:
-        row |= data.task_metrics(task, *task_scores(run, model, task, width))
-        if task.truncated:
-            row[f"eval/downstream/{task.name} (requests truncated)"] = task.truncated
-    return row
-
-
-def evaluate(run: Run, step: int, model) -> dict:
-    """The held-out sets (lm_row) and the downstream tasks (downstream_row), logged as step `step`'s eval
-    row and printed as tables."""
-    row = dict(step=step)
-    row |= lm_row(run, model) if run.eval_sets else {}
-    row |= downstream_row(run, model) if run.tasks else {}
-    run.log.write(row)
+def print_eval_tables(run: Run, step: int, row: dict) -> None:
+    """An evaluation row as tables: each held-out set's CE loss and PPL, each task's own metric."""
     if run.eval_sets:
         width = max(len(held.label) for held in run.eval_sets)
         say(f"step {step}: held-out evaluation\n  {'set':<{width}}  CE loss        PPL")
@@ -1165,14 +1097,108 @@ def evaluate(run: Run, step: int, model) -> dict:
         first = next(k for k in row if k.startswith(name))  # ICLMetric's first: the task's own metric
         cut = f" ({task.truncated} requests cut on the left to --seq_len)" if task.truncated else ""
         say(f"  {task.name:<{width}}  {first[len(name) : -1]} {row[first]:.4f}{cut}")
-    return row
 
 
-def save(run: Run, step: int, model, opt, key) -> None:
-    """Start writing checkpoint `step` in the background; a failure surfaces at the next step boundary."""
-    # One global array: Orbax cannot save an array that lives on one process only.
-    key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(run.mesh))
-    run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
+# ---------------------------------------------------------------------------------------------------------
+# The hardware fit: the documents a packed row may hold, the context a kernel takes, the microbatches.
+
+
+def documents_bound(cfg: TrainConfig, compute: olmo3.Compute, loader) -> olmo3.Compute:
+    """`compute` with cuDNN's bound on a packed row's documents (Compute.max_documents): --max_documents,
+    refused below the data's most, or (0) the data's most, counted before anything compiles."""
+    if not cfg.pack_files or loader is None or compute.attention != "cudnn":
+        return compute
+    most, given = loader.packed.most_documents(), compute.max_documents
+    if given and most > given:
+        raise FlagError(
+            f"--max_documents {given}: the packed data has a row of {most} documents (the padding "
+            f"one of them); expected at least {most}, or 0 (the data's most)"
+        )
+    bound = given or most
+    say(f"cuDNN packed attention: compiled for up to {bound} documents a row ({most} in the data)")
+    return dataclasses.replace(compute, max_documents=bound)
+
+
+def check_kernel(cfg: TrainConfig, mesh, kernel: str) -> None:
+    """The attention kernel must run what the recipe asks: a context axis it can split (check_context); with
+    packed rows on cuDNN in a dry run, a number of documents a row to compile for."""
+    if mesh.shape["context"] > 1:
+        check_context(cfg, mesh.shape["context"], kernel)
+    if cfg.pack_files and kernel == "cudnn" and cfg.dry_run and not cfg.compute.max_documents:
+        raise FlagError(
+            "--max_documents 0: cuDNN's packed attention compiles for a most documents a row, which a run "
+            "counts in its data and a dry run has none of; expected --max_documents N (the padding one of them)"
+        )
+
+
+def check_context(cfg: TrainConfig, n: int, kernel: str) -> None:
+    """A context axis of n devices splits each row into 2n chunks (olmo3.balanced_order): --seq_len must
+    divide into them, and on the blocked and Splash kernels each chunk into whole sliding windows, so that a
+    sliding layer needs only the window before each chunk (a neighbour's) and not the whole row."""
+    where = f"--mesh {cfg.mesh} (context={n})"
+    if kernel == "cudnn":
+        raise FlagError(
+            f"{where}: attention 'cudnn' does not run with a context axis yet; expected --attention local "
+            "(or reference), or a mesh without context (fsdp and tensor axes)"
+        )
+    if cfg.seq_len % (2 * n):
+        raise FlagError(f"{where}: --seq_len {cfg.seq_len} does not split into {2 * n} equal chunks")
+    window, chunk = model_config(cfg).sliding_window, cfg.seq_len // (2 * n)
+    if kernel != "reference" and window < cfg.seq_len and chunk % window:
+        raise FlagError(
+            f"{where}: each device's chunks of {chunk} positions are not whole sliding windows of {window}; "
+            f"expected context=N with --seq_len / 2N a multiple of {window}, or --attention reference"
+        )
+
+
+def microbatches(cfg: TrainConfig, mesh, microbatch: int = 0) -> int:
+    """Gradient-accumulation steps: the batch's rows split over (data, fsdp), each device's share into
+    microbatches of `microbatch` rows (default --microbatch; 0: the whole share at once)."""
+    n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    per_device = cfg.global_batch // n_shards
+    microbatch = microbatch or cfg.microbatch or per_device
+    if cfg.global_batch % n_shards or microbatch == 0 or per_device % microbatch:
+        raise FlagError(
+            f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
+            f"devices of --mesh {cfg.mesh} whose {per_device} rows per device divide into "
+            f"--microbatch {microbatch}"
+        )
+    return per_device // microbatch
+
+
+def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -> int:
+    """microbatches(), but where --microbatch is not given and the devices state their memory (`hbm` bytes
+    each: TPUs, GPUs, a --topology; a CPU states none): the fewest microbatches whose step the target's
+    compiler says fits, by bisection over the divisors of each device's rows (memory grows with the rows
+    taken at once), so that a preset fits the chips it is given. `compile_for(n_micro)` compiles the step
+    (compile_step); each try is one compile (minutes for the 7B). If even one row at a time does not fit,
+    one row it is, and the dry run's table says what would."""
+    n_micro = microbatches(cfg, mesh)
+    if cfg.microbatch or not hbm:
+        return n_micro
+    per_device = cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+    sizes = [rows for rows in range(1, per_device + 1) if per_device % rows == 0]
+    need = {}  # rows at once -> bytes per device, as compiled
+
+    def fits(rows: int) -> bool:
+        say(f"microbatch: compiling with {rows} row(s) per device at a time, to see whether it fits ...")
+        need[rows] = shard.memory_use(lambda: compile_for(per_device // rows))[1]
+        return need[rows] <= hbm
+
+    fit, too_big = -1, len(sizes) - 1  # indices into sizes: the largest known to fit, the smallest not
+    if fits(sizes[-1]):
+        return n_micro
+    while too_big - fit > 1:
+        mid = (fit + too_big) // 2
+        fit, too_big = (mid, too_big) if fits(sizes[mid]) else (fit, mid)
+    rows = sizes[max(fit, 0)]
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    verdict = f"the most that fit: {gib(need[rows])}" if fit >= 0 else "and even that does not fit"
+    say(
+        f"microbatch: {rows} row(s) per device at a time ({per_device // rows} microbatches), {verdict} of "
+        f"{gib(hbm)} per device ({per_device} rows at once: {gib(need[per_device])}); --microbatch sets it"
+    )
+    return per_device // rows
 
 
 def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int):
@@ -1196,6 +1222,10 @@ def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: 
     )
     params = eqx.filter(model, olmo3.is_array)
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": (batch, packed)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The dry run: compile the step (and the evaluation steps) for the mesh, report memory and FLOPs.
 
 
 def compile_eval_steps(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int) -> dict:
@@ -1269,6 +1299,110 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
     return 0 if fits else 1
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The evaluation loops: the jitted evaluation steps, the held-out sets and the downstream tasks.
+
+
+@eqx.filter_jit
+def eval_step(model, batch, label_mask, chunk: int, mesh=None):
+    """(summed CE, positions counted) of padded held-out instances, as OLMo-core scores them: get_labels gives
+    position t the label token t + 1 if that one is label-masked (a document's last position has none), and
+    LMEvaluator averages over every label-masked position, one without a label counting 0."""
+    layout = None if mesh is None else shard.Layout(mesh)
+    scored = label_mask & jnp.pad(label_mask[:, 1:], ((0, 0), (0, 1)))  # masked, with a masked next token
+    w, targets = model.as_used(layout).lm_head, jnp.roll(batch, -1, axis=-1)
+    (ce, _), _, _ = olmo3.lm_head_sums(model.features(batch, layout), w, loss_sums, targets, scored, chunk)
+    return ce, label_mask.sum()
+
+
+def logprob_sums(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"], mask):
+    """Per instance, the summed log-probability of its scored targets (lm_head_sums' per-instance sums)."""
+    ce, _ = cross_entropy(logits, targets)
+    return (jnp.where(mask, -ce, 0.0).sum(-1),)
+
+
+@eqx.filter_jit
+def downstream_step(model, request_ids, tokens, targets, scored, at, choices, chunk: int, mesh=None):
+    """What ICLMetric needs of a batch of requests, and no more (never a batch's logits): per request its
+    continuation's log-probability (the scored positions' targets), and each choice token's log-probability
+    at position `at`; with the request ids, as every process gets them (with several processes a global
+    array's rows are not in the batch's order: shard.put_batch)."""
+    layout = None if mesh is None else shard.Layout(mesh)
+    x, w = model.features(tokens, layout), model.as_used(layout).lm_head
+    (continuation,), _, _ = olmo3.lm_head_sums(x, w, logprob_sums, targets, scored, chunk)
+    x_at = x[jnp.arange(x.shape[0]), at]  # batch embed
+    # The logits in x's dtype, as the LM head makes them (bf16 under a bf16 policy), then upcast as the loss.
+    log_probs = jax.nn.log_softmax(olmo3.linear(x_at, w, out_dtype=x.dtype).astype(jnp.float32))
+    picked = jnp.take_along_axis(log_probs, jnp.maximum(choices, 0), axis=-1)
+    out = (request_ids, continuation, picked)
+    return out if mesh is None else jax.lax.with_sharding_constraint(out, shard.replicated(mesh))
+
+
+def eval_set_loss(run: Run, model, held: data.PaddedEvalSet) -> float:
+    """One held-out set's CE per token, as OLMo-core's LMEvaluator: the mean over the label-masked positions
+    of the whole set (or its first --eval_batches batches' worth), in batches of a train microbatch's rows
+    (what fits the devices; the last filled with empty rows: one compiled program for every set)."""
+    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
+    n = min(len(held), cfg.eval_batches * cfg.global_batch) if cfg.eval_batches else len(held)
+    size = cfg.global_batch // run.n_micro
+    local = np.arange(rank, size, world)  # this process's rows of each batch, as in training
+    put = lambda rows: shard.put_batch(rows, run.mesh, size)
+    total = count = 0
+    for first in range(0, n, size):
+        tokens, mask = held.rows(first + local, stop=n)
+        ce, counted = eval_step(model, put(tokens), put(mask), cfg.loss_chunk, run.mesh)
+        total, count = total + ce, count + counted
+    return float(total) / int(count)
+
+
+def lm_row(run: Run, model) -> dict:
+    """Every held-out set's CE loss and PPL under OLMo-core's names (eval/lm/LABEL/CE loss, eval/lm/LABEL/PPL;
+    eval_loss and eval_ppl: the first set's). PPL is exp(CE), capped at exp(50) so a diverged model's row
+    stays finite JSON."""
+    row = {}
+    for held in run.eval_sets:
+        ce = eval_set_loss(run, model, held)
+        row[f"eval/lm/{held.label}/CE loss"], row[f"eval/lm/{held.label}/PPL"] = ce, math.exp(min(ce, 50))
+    first = run.eval_sets[0].label
+    return row | dict(eval_loss=row[f"eval/lm/{first}/CE loss"], eval_ppl=row[f"eval/lm/{first}/PPL"])
+
+
+def task_scores(run: Run, model, task: data.DownstreamTask, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's continuation log-probability and its choices' (downstream_step), in batches of as
+    many tokens as the train step's microbatch (OLMo-core sizes its evaluation batches so too)."""
+    cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
+    continuation, picked = np.zeros(len(task.queries)), np.zeros((len(task.queries), width))
+    for batch in data.downstream_batches(task, cfg.global_batch // run.n_micro, cfg.seq_len, width):
+        local = np.arange(rank, len(batch[0]), world)  # this process's rows, as in training
+        put = lambda a: shard.put_batch(a[local], run.mesh, len(a))
+        chunk = math.gcd(batch[1].shape[1], cfg.loss_chunk)  # a divisor of this batch's length
+        ids, cont, lp = (np.asarray(a) for a in downstream_step(model, *map(put, batch), chunk, run.mesh))
+        continuation[ids[ids >= 0]], picked[ids[ids >= 0]] = cont[ids >= 0], lp[ids >= 0]
+    return continuation, picked
+
+
+def downstream_row(run: Run, model) -> dict:
+    """Every task's ICLMetric metrics, named as OLMo-core records them (eval/downstream/TASK (LABEL)); and,
+    where olmo_eval cut requests on the left to fit the context, how many (eval/downstream/TASK (requests
+    truncated))."""
+    width = max([1, *(task.choices.shape[1] for task in run.tasks)])  # one program shape for every task
+    row = {}
+    for task in run.tasks:
+        row |= data.task_metrics(task, *task_scores(run, model, task, width))
+        if task.truncated:
+            row[f"eval/downstream/{task.name} (requests truncated)"] = task.truncated
+    return row
+
+
+def plot_and_sample(run: Run, model) -> None:
+    """A finished run's plots (loss.png, downstream.png) and, with --samples, text sampled from the model."""
+    if jax.process_index() == 0:
+        ckpt.plot_losses(Path(run.cfg.run_dir))
+        ckpt.plot_downstream(Path(run.cfg.run_dir))
+    if run.cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
+        print_samples(model, run.cfg, run.tokenizer_path)
+
+
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
     tok, length = data.get_tokenizer(cfg.tokenizer, tokenizer_path), min(model.cfg.max_seq_len, cfg.seq_len)
     say("samples:")
@@ -1277,94 +1411,6 @@ def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
         out = olmo3.sample(model, prompt, length - 1, key=jax.random.key(i), temperature=0.8, top_k=50)
         text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size])
         say(f"--- sample {i + 1} ---\n{text.split(tok.decode([tok.eos_id]))[0].strip()[:600]}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The run itself: the loop, then main(), which puts the run together.
-
-
-def train_loop(run: Run, preemption: ckpt.Preemption, start: int, model, opt, key):
-    """Steps start + 1 ... --steps, saving and evaluating on the way: (the model, whether a preemption
-    stopped it early). Step k + 1 is dispatched before step k's numbers are read, so the host never keeps
-    the devices waiting."""
-    cfg = run.cfg
-    prefetch = read_batches(run, start)
-    batches = iter(prefetch)
-    meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
-    try:
-        for step in range(start + 1, cfg.steps + 1):
-            _, (batch, extras, batch_hash, filtered), wait = next(batches)
-            model, opt, metrics = take_step(run, step, model, opt, batch, **extras)
-            if pending:  # read the previous step's numbers while this one runs
-                log_step(run, *pending, meter)
-            run.checkpoints.check()  # a failed background save stops the run here
-            pending = (step, metrics, wait, batch_hash, filtered)
-            stop = preemption.requested(step, run.checkpoints)
-            do_eval = bool(run.eval_sets or run.tasks) and (step % cfg.eval_every == 0 or step == cfg.steps)
-            do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
-            # Never evaluate or checkpoint a state whose loss was not checked; and the first step compiles,
-            # so its numbers are read at once: its time is its own, not the next step's too.
-            if do_eval or do_save or step == start + 1:
-                log_step(run, *pending, meter)
-                pending = None
-                meter.pause()  # saving and evaluating are not training: no step's tokens/s counts them
-                try:  # evaluated first: a run killed mid-save retakes the step, its evaluation too
-                    if do_eval:
-                        evaluate(run, step, model)
-                except BaseException:  # the step is good, its evaluation is not: keep the step, then stop
-                    save(run, step, model, opt, key)
-                    raise
-                if do_save:
-                    save(run, step, model, opt, key)
-                meter.resume()
-            if stop:
-                say(f"saved step {step}; exiting for the preemption")
-                break
-    except BaseException:
-        run.checkpoints.close(failing=True)  # an in-flight save of a good step still commits
-        raise
-    finally:
-        prefetch.close()
-        meter.bar.close()
-    return model, stop
-
-
-def main(cfg: TrainConfig) -> int:
-    check_flags(cfg)
-    mesh, target = start_devices(cfg)
-    model_cfg, compute = model_config(cfg), compute_policy(cfg, mesh)
-    announce(cfg, mesh, model_cfg, compute)
-    if cfg.dry_run:
-        return dry_run(cfg, mesh, model_cfg, compute, target)
-    run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
-    check_start(run.cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
-    cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
-    with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
-        open_run_dir(run)
-        start, model, opt, key = restore_or_init(run)
-        run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
-        if cfg.eval_only or start < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
-            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, run.compute, n_micro)
-            run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
-        if cfg.eval_only:
-            evaluate(run, start, model)
-        elif start >= cfg.steps:
-            say(f"run already complete: step {start}")
-        else:
-            ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
-            run.log.open()
-            trains = True
-            model, stopped = train_loop(run, preemption, start, model, opt, key)
-        run.checkpoints.close()
-        run.log.close()
-    if trains and not stopped:
-        if jax.process_index() == 0:
-            ckpt.plot_losses(Path(cfg.run_dir))
-            ckpt.plot_downstream(Path(cfg.run_dir))
-        if cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
-            print_samples(model, cfg, run.tokenizer_path)
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1401,7 +1447,6 @@ def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
 
 
 BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
-
 
 # Flags of earlier versions, with what says the same now.
 RETIRED_FLAGS = {"init_from_hf": "--init_from HF_DIR (it takes our run directories and OLMo-core's too)"}
@@ -1527,6 +1572,7 @@ def check_tasks(tasks: str) -> None:
 # run (exit 1): a failed save, no readable checkpoint, bad data, a NaN, a run directory busy or unwritable.
 # Either is one line naming the cause.
 USAGE = (FlagError, ckpt.ResumeRefused)
+
 STOPS = (ckpt.CheckpointError, ckpt.RunDirError, data.DataError, FloatingPointError, FileNotFoundError)
 
 
