@@ -478,7 +478,7 @@ def compile_abstract(fn, *args, donate: int = 0):
     step donates them. Lowered through jax.jit: eqx.filter_jit would take abstract arrays for static
     values."""
     dynamic, static = eqx.partition(args, is_array)
-    run = lambda *dynamic: eqx.filter(fn(*eqx.combine(dynamic, static)), eqx.is_array)
+    run = lambda *dynamic: eqx.filter(fn(*eqx.combine(dynamic, static)), is_array)
     return jax.jit(run, donate_argnums=tuple(range(donate))).lower(*dynamic).compile()
 
 
