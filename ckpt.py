@@ -322,9 +322,9 @@ class MetricsLog:
         self.file = self.tb = self.wb = None
         self.wb_held = -1  # the last step the W&B run holds
 
-    def rewind(self, step: int, keep_eval: bool = True) -> None:
-        """Drop the rows past `step` (the steps about to be taken again) and, unless keep_eval, step `step`'s
-        eval row: atomically, the old file kept until the new one is complete. A torn last line goes too."""
+    def rewind(self, step: int) -> None:
+        """Drop the rows past `step` (the steps about to be taken again): atomically, the old file kept until
+        the new one is complete. A torn last line goes too."""
         if not self.lead or not self.path.exists():
             return
         rows, text = [], self.path.read_text()
@@ -333,8 +333,7 @@ class MetricsLog:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a kill
                 continue
-            is_eval = any(k.startswith("eval") for k in row)  # eval_loss, eval/lm/..., eval/downstream/...
-            if row["step"] < step or row["step"] == step and (not is_eval or keep_eval):
+            if row["step"] <= step:
                 rows.append(line + "\n")
         if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
             return
@@ -789,6 +788,12 @@ class Checkpoints:
                     jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), metadata[k].tree)
                 )
             abstract[k] = eqx.filter(like, is_array)
+        for k in stored:  # a sound checkpoint of another shape is refused, never taken for a corrupt one
+            if wanted[k] is not None and (diff := _shape_differences(metadata[k].tree, abstract[k])):
+                raise ResumeRefused(
+                    f"{self.dir / str(step)} holds a {k} of other shapes: {diff} (saved vs now); it is sound "
+                    "and stays where it is: resume with the recipe that wrote it, or use another --run_dir"
+                )
         try:
             got = self.manager.restore(
                 step, args=ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in abstract.items()})
@@ -927,6 +932,21 @@ def check_run_start(run_dir, step: int | None, cfg: Olmo3Config, as_run, weights
             )
     finally:
         ckpts.close()
+
+
+def _shape_differences(saved, like) -> str:
+    """Where two trees' arrays differ in shape, by dotted path (`opt.losses (64,) vs (128,)`); '' if nowhere.
+    Orbax stores a module as a dict of its fields, so paths are compared by name."""
+    name = lambda k: str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+    shapes = lambda tree: {
+        ".".join(name(k) for k in path): tuple(x.shape)
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if hasattr(x, "shape")
+    }
+    a, b = shapes(saved), shapes(eqx.filter(like, is_array))
+    return ", ".join(
+        f"{p} {a.get(p)} vs {b.get(p)}" for p in sorted(a.keys() | b.keys()) if a.get(p) != b.get(p)
+    )
 
 
 def on_first_device(tree):

@@ -612,8 +612,8 @@ def evaluate(run: "Run", step: int, model) -> dict:
     row = dict(step=step)
     row |= lm_row(run, model) if run.eval_sets else {}
     row |= downstream_row(run, model) if run.tasks else {}
-    run.log.write(row)
-    print_eval_tables(run, step, row)
+    print_eval_tables(run, step, row)  # first: a row that cannot be recorded is still seen
+    record_eval_row(run, row)
     return row
 
 
@@ -686,7 +686,8 @@ def main(cfg: TrainConfig) -> int:
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         open_run_dir(run)
         start, model, opt, key = restore_or_init(run)
-        run.log.rewind(start, keep_eval=not cfg.eval_only)  # rows past the checkpoint: steps to retake
+        if not cfg.eval_only:  # rows past the checkpoint: steps to retake (--eval_only only adds a row)
+            run.log.rewind(start)
         if cfg.eval_only or start < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
             compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, run.compute, n_micro)
             run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
@@ -900,6 +901,11 @@ def restore_or_init(run: Run):
     refuse_mismatch = lambda meta: ckpt.check_resume(
         with_recipe_defaults(meta), run.meta, RECIPE_FIELDS, cfg.allow_config_change, cfg.run_dir
     )
+    window = saved_window(run.checkpoints) if cfg.allow_config_change else cfg.skip_window
+    if window not in (None, cfg.skip_window):  # read as saved; its history then starts afresh (below)
+        opt_like = abstract_state(
+            dataclasses.replace(cfg, skip_window=window), mesh, run.model_cfg, run.compute
+        )[1]
     like = {"opt": opt_like, "key": key_like(mesh)}
     restored = run.checkpoints.restore_latest(
         model_like, like, check=refuse_mismatch, start_over=cfg.start_over
@@ -910,13 +916,26 @@ def restore_or_init(run: Run):
         say(f"resuming from {run.checkpoints.dir / str(step)} (step {step})")
         if state is None:  # written by `ckpt.py from-hf` or `average`: weights only
             return step, model, make_opt(model), key
-        return step, model, state["opt"], jax.random.wrap_key_data(state["key"])
+        opt = state["opt"]
+        if window not in (None, cfg.skip_window):
+            say(
+                f"--skip_window {window} -> {cfg.skip_window}: the skip-step history starts empty, as OLMo-core's after a load"
+            )
+            opt = carried_over(make_opt(model), (opt.mu, opt.nu, opt.count), mesh)
+        return step, model, opt, jax.random.wrap_key_data(state["key"])
     if cfg.init_from:
         model, adam = read_start(run, model_like)
         return 0, model, carried_over(make_opt(model), adam, mesh), key
     init = lambda k: eqx.filter_shard(olmo3.Olmo3(run.model_cfg, key=k, compute=run.compute), model_sh)
     model = eqx.filter_jit(init)(key)
     return 0, model, make_opt(model), key
+
+
+def saved_window(checkpoints: ckpt.Checkpoints) -> int | None:
+    """The skip-step window of the newest checkpoint's optimizer state; None where there is none."""
+    steps = checkpoints.steps()
+    saved = checkpoints.saved_train_state(steps[-1]) if steps else None
+    return None if saved is None else saved["opt"]["losses"].shape[0]
 
 
 def key_like(mesh):
@@ -1079,6 +1098,24 @@ def metrics_row(
     return row | dict(
         tokens=step * meter.tokens_per_step, data_wait_s=wait, batch_hash=data.format_hash(batch_hash)
     )
+
+
+def record_eval_row(run: Run, row: dict) -> None:
+    """An evaluation's row into metrics.jsonl. An --eval_only row is added, never written over one the run
+    wrote: marked, its sets and tasks named, and without eval_loss/eval_ppl, which keep the meaning training
+    gave them (the recipe's first held-out set). Where it cannot be written (read-only storage), one line
+    says so: the table printed above is the result."""
+    if not run.cfg.eval_only:
+        run.log.write(row)
+        return
+    row = {k: v for k, v in row.items() if k not in ("eval_loss", "eval_ppl")}
+    sets, tasks = ",".join(h.label for h in run.eval_sets), ",".join(t.name for t in run.tasks)
+    try:
+        run.log.write(row | dict(eval_only=True, eval_sets=sets, tasks=tasks))
+    except (OSError, ckpt.RunDirError) as e:
+        say(
+            f"--eval_only: could not add this evaluation to {run.log.path} ({e}); the table above is its result"
+        )
 
 
 def print_eval_tables(run: Run, step: int, row: dict) -> None:

@@ -119,19 +119,14 @@ def test_eval_only_scores_released_weights_on_tasks_without_data(tiny_data, tmp_
     labels = DownstreamEvaluator.metric_type_to_label
     metrics = [f"{kind}_{v}" for kind in ("acc", "ce_loss", "bpb", "soft", "soft_log") for v in ("v1", "v2")]
     named = {f"eval/downstream/copycolors_10way_fast ({labels[k]})" for k in metrics}
-    assert row.keys() == {"step", "eval/downstream/copycolors_10way_fast (requests truncated)", *named}
-
-
-def test_a_tasks_only_eval_row_is_replaced_by_eval_only(tmp_path):
-    """An evaluation row with tasks but no held-out set (no eval_loss) is still the step's eval row: the
-    rewind before --eval_only drops it (and keeps the step's train row)."""
-    log = ckpt.MetricsLog(tmp_path, True, False)
-    rows = [dict(step=5, loss=1.0), {"step": 5, "eval/downstream/x (accuracy)": 0.5}, dict(step=6, loss=0.9)]
-    for row in rows:
-        log.write(row)
-    log.close()
-    ckpt.MetricsLog(tmp_path, True, False).rewind(5, keep_eval=False)
-    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == rows[:1]
+    marks = {"eval_only", "eval_sets", "tasks"}  # an --eval_only row, its sets (none) and tasks named
+    assert row.keys() == {
+        "step",
+        "eval/downstream/copycolors_10way_fast (requests truncated)",
+        *named,
+        *marks,
+    }
+    assert row["eval_only"] and row["tasks"] == "copycolors_10way_fast" and row["eval_sets"] == ""
 
 
 def test_tasks_with_the_tiny_tokenizer_missing_are_refused_naming_the_file(

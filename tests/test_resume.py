@@ -369,19 +369,38 @@ def test_an_emptied_checkpoint_folder_retrains_without_repeating_rows(env, tiny_
 
 
 @pytest.mark.slow
-def test_eval_only_replaces_its_row_and_leaves_the_config(env, tiny_data, reference, tmp_path):
+def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, reference, tmp_path):
+    """--eval_only twice on a finished run: every byte the run wrote stays, two marked rows are added after
+    it (the same checkpoint: the same numbers as the run's own evaluation), eval_loss keeps its one meaning;
+    on a read-only directory it prints its table and says in one line that it could not add the row."""
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
-    config = (run_dir / "config.json").read_text()
+    config, written = (run_dir / "config.json").read_text(), (run_dir / "metrics.jsonl").read_text()
     for _ in range(2):
         out = run(env, run_dir, tiny_data, "--eval_only")
         assert out.returncode == 0, out.stderr[-3000:]
     assert f"step {STEPS}: held-out evaluation" in out.stdout
-    evals = rows(run_dir, "eval_loss")
-    assert [r["step"] for r in evals] == [STEPS]
-    assert evals[0]["eval_loss"] == rows(reference[0], "eval_loss")[0]["eval_loss"]  # the same checkpoint
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.startswith(written)
+    added = [json.loads(line) for line in text[len(written) :].splitlines()]
+    (trained,) = rows(reference[0], "eval_loss")
+    assert [r["step"] for r in added] == [STEPS, STEPS] and all(r["eval_only"] for r in added)
+    assert [r["eval/lm/tiny-val/CE loss"] for r in added] == [trained["eval/lm/tiny-val/CE loss"]] * 2
+    assert all("eval_loss" not in r and r["eval_sets"] == "tiny-val" for r in added)
     assert (run_dir / "config.json").read_text() == config
-    assert_same_as_reference(run_dir, reference)
+    # On a read-only mount (a mount namespace of its own; root ignores file modes), the same command.
+    command = " ".join([sys.executable, "tests/faults.py", "none:0", *FLAGS, "--data_root", str(tiny_data)])
+    readonly = (
+        f"mount --bind {run_dir} {run_dir} && mount -o remount,ro,bind {run_dir} && "
+        f"! touch {run_dir}/x 2>/dev/null && {command} --run_dir {run_dir} --eval_only"
+    )
+    out = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", readonly], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if "mount" not in out.stderr:  # (no private mounts here: skip this part)
+        assert out.returncode == 0 and f"step {STEPS}: held-out evaluation" in out.stdout, out.stderr[-3000:]
+        assert "--eval_only: could not add this evaluation to " in out.stdout
+        assert (run_dir / "metrics.jsonl").read_text() == text
 
 
 @pytest.mark.slow
