@@ -636,7 +636,9 @@ class Checkpoints:
         # read without a write (the first save, if the run gets that far, is refused).
         self.cannot_write = None if read_only else self._why_unwritable()
         if self.cannot_write and not self.dir.is_dir():
-            raise RunDirError(f"--run_dir {self.dir.parent}: cannot create {self.dir} ({self.cannot_write})")
+            raise RunDirError(
+                f"run directory {self.dir.parent}: cannot create {self.dir} ({self.cannot_write})"
+            )
         self.read_only = read_only or self.cannot_write is not None
         _orbax_detail_to(None if self.read_only or jax.process_index() else self.dir.parent / "log.txt")
         _barriers_through_the_coordinator()
@@ -838,7 +840,12 @@ class Checkpoints:
         if not self.steps() or (step is not None and step not in self.steps()):
             at = f" at step {step}" if step is not None else ""
             raise FileNotFoundError(f"{self.dir} has no checkpoint{at} (steps: {self.steps()})")
-        found = (step, read(step)) if step is not None else self.newest_valid(read)
+        if step is not None:  # asked for by number: a fault in it is named, and nothing is set aside
+            try:
+                return step, read(step)
+            except CorruptCheckpoint as e:
+                raise CorruptCheckpoint(f"checkpoint {self.dir / str(step)} (step {step}): {e}") from e
+        found = self.newest_valid(read)
         if found is None:
             raise FileNotFoundError(f"no valid checkpoint in {self.dir}")
         return found
@@ -1109,7 +1116,7 @@ def config_to_hf(cfg: Olmo3Config, dtype: str = "float32") -> dict:
         "num_key_value_heads": cfg.n_kv_heads,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": _longest_context(cfg),
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {SLIDING: _rope_to_hf(cfg.rope_sliding), FULL: _rope_to_hf(cfg.rope_full)},
         "sliding_window": cfg.sliding_window,
@@ -1124,6 +1131,13 @@ def config_to_hf(cfg: Olmo3Config, dtype: str = "float32") -> dict:
         "pad_token_id": cfg.pad_token_id,
         "bos_token_id": None,
     }
+
+
+def _longest_context(cfg: Olmo3Config) -> int:
+    """HF's max_position_embeddings: with YaRN the context it extends to (transformers checks it is the original
+    length times the factor), or the run's longest if that is longer."""
+    yarn = cfg.rope_full.yarn
+    return max(cfg.max_seq_len, int(yarn.original_max_position * yarn.factor)) if yarn else cfg.max_seq_len
 
 
 def config_from_hf(hf: dict, path: str = "config.json") -> Olmo3Config:
@@ -1927,9 +1941,14 @@ def run_command(args) -> int:
             print(
                 f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}"
             )
-        if not rows:
-            print(f"no checkpoints in {Path(args.run_dir) / 'checkpoints'}")
-        return 0 if all(r["valid"] for r in rows) else 1
+        folder = Path(args.run_dir) / "checkpoints"
+        unfinished = sorted(p.name for p in folder.glob("*.orbax-checkpoint-tmp*"))
+        if not rows:  # an interrupted first write is not a checkpoint, and not nothing either
+            left = (
+                f"; only interrupted writes, never committed: {', '.join(unfinished)}" if unfinished else ""
+            )
+            print(f"no committed checkpoint in {folder}{left}")
+        return 0 if all(r["valid"] for r in rows) and not (unfinished and not rows) else 1
     if args.command == "to-hf":
         step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)
         print(f"wrote step {step} of {args.run_dir} to {args.out}")

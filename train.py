@@ -303,10 +303,13 @@ PRESETS["32b-midtrain-2"] = dataclasses.replace(
 # positions run across each row, as in the code the released model trained with. The horizon: the script's
 # max_duration, Duration.tokens(5e12), is stage 1's (1,192,093 steps, and its hard_stop stage 1's 597,046), so
 # as written its LR would hardly fall; AI2's released stage 3 is 50B tokens, ceil(5e10 / 4,194,304) = 11,921
-# steps, the preset's horizon and length.
+# steps, the preset's horizon and length. The one stage AI2 trained in FP8: the script's Float8Config(enabled=
+# True) runs every block linear as torchao's tensorwise Float8Linear (olmo3.fp8_linear); LM head and
+# embedding in bf16.
 PRESETS["7b-long-context"] = dataclasses.replace(
     PRESETS["7b-midtrain"],
     preset="7b-long-context",
+    compute=dataclasses.replace(PRESETS["7b-midtrain"].compute, fp8="tensorwise"),
     yarn=8.0,
     data="OLMo-longmino-mix-0625.txt",
     seq_len=65_536,
@@ -322,11 +325,13 @@ PRESETS["7b-long-context"] = dataclasses.replace(
 
 # OLMo-core's OLMo-3-1025-32B-long-context.py, from the 32B's stage-1 step 656,000 (its load_path; the
 # released 32B's stage 3 started from the midtraining soup): the 0925 longmino mix, 128 instances a step
-# (8,388,608 tokens) for Duration.tokens(1e11): ceil(1e11 / 2**23) = 11,921 steps; the 32B's instance filter.
+# (8,388,608 tokens) for Duration.tokens(1e11): ceil(1e11 / 2**23) = 11,921 steps; the 32B's instance filter;
+# in bf16 (its Float8Config(enabled=False): AI2 trained no 32B stage in FP8).
 PRESETS["32b-long-context"] = dataclasses.replace(
     PRESETS["7b-long-context"],
     preset="32b-long-context",
     model="32b",
+    compute=dataclasses.replace(PRESETS["7b-long-context"].compute, fp8=""),
     data="OLMo-longmino-mix-0925.txt",
     global_batch=128,
     lr=0.0002071235285,
@@ -746,11 +751,24 @@ def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
         f"model: {cfg.model_preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
         f"{model_cfg.flops_per_token(cfg.seq_len) / 1e9:.2f} GFLOPs per token to train (exact causal/sliding count)"
     )
+    # MFU's peak is the dense bf16 one with --fp8 too, as OLMo-core's speed monitor's (it has no other): the
+    # same model at the same speed reads the same MFU in either, and fp8 only speeds up the block linears.
+    fp8 = f", fp8 {compute.fp8} (the block linears)" if compute.fp8 else ""
+    mfu = f"no MFU on {device.device_kind}"
+    if peak:
+        mfu = f"peak {peak / 1e12:.0f} TFLOP/s per device, dense bf16"
+        mfu += " (MFU's, fp8 or not)" if fp8 else ""
     say(
-        f"compute: attention kernel {compute.attention!r} on {device.platform}, {compute.dtype}, remat "
+        f"compute: attention kernel {compute.attention!r} on {device.platform}, {compute.dtype}{fp8}, remat "
         f"{compute.remat}; mesh {dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes; "
-        + (f"peak {peak / 1e12:.0f} TFLOP/s per device" if peak else f"no MFU on {device.device_kind}")
+        + mfu
     )
+    yarn = model_cfg.rope_full.yarn
+    if yarn and cfg.seq_len > (extended := int(yarn.original_max_position * yarn.factor)):
+        say(
+            f"note: --seq_len {cfg.seq_len} is beyond the {extended:,} tokens YaRN x{yarn.factor:g} extends "
+            f"{yarn.original_max_position:,} to; positions past it are untrained ground"
+        )
 
 
 @dataclass
@@ -1089,7 +1107,8 @@ def stop_on_nan(run: Run, step: int, metrics: dict) -> None:
 def metrics_row(
     run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter
 ) -> dict:
-    """Step `step`'s row of metrics.jsonl: the step's numbers, its LR, speed and MFU, the data's hash."""
+    """Step `step`'s row of metrics.jsonl: the step's numbers, its LR, speed and MFU (against the dense bf16
+    peak, with --fp8 too: announce), the data's hash."""
     tokens_per_s, peak = meter.tick(metrics["loss"]), shard.peak_flops(run.mesh.devices.flat[0])
     flops_per_s = tokens_per_s * run.model_cfg.flops_per_token(run.cfg.seq_len)
     batch_hash, filtered = shard.sum_over_processes([batch_hash, filtered])  # each process read its own rows
@@ -1194,11 +1213,15 @@ def microbatches(cfg: TrainConfig, mesh, microbatch: int = 0) -> int:
     n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     per_device = cfg.global_batch // n_shards
     microbatch = microbatch or cfg.microbatch or per_device
-    if cfg.global_batch % n_shards or microbatch == 0 or per_device % microbatch:
+    if cfg.global_batch % n_shards or microbatch == 0:
         raise FlagError(
-            f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp "
-            f"devices of --mesh {cfg.mesh} whose {per_device} rows per device divide into "
-            f"--microbatch {microbatch}"
+            f"--global_batch {cfg.global_batch}: expected a multiple of the {n_shards} data x fsdp devices "
+            f"of --mesh {cfg.mesh} (each device takes whole rows)"
+        )
+    if per_device % microbatch:
+        raise FlagError(
+            f"--microbatch {microbatch}: expected a divisor of the {per_device} rows each device takes "
+            f"(--global_batch {cfg.global_batch} over the {n_shards} data x fsdp devices of --mesh {cfg.mesh})"
         )
     return per_device // microbatch
 
@@ -1562,8 +1585,8 @@ def check_flags(cfg: TrainConfig) -> None:
         raise FlagError("--dry_run and --eval_only: choose one")
     if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
-    if cfg.wandb and not cfg.dry_run and importlib.util.find_spec("wandb") is None:
-        raise FlagError(f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'")
+    if cfg.wandb and not cfg.dry_run:
+        check_wandb(cfg.wandb)
     if cfg.init_weights_only and not cfg.init_from:
         raise FlagError("--init_weights_only: goes with --init_from SOURCE")
     if cfg.wandb_run and not cfg.wandb:
@@ -1586,6 +1609,18 @@ def check_flags(cfg: TrainConfig) -> None:
         model_config(cfg)
     except ValueError as e:
         raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
+
+
+def check_wandb(project: str) -> None:
+    """--wandb: wandb installed and importable, before anything is written."""
+    if importlib.util.find_spec("wandb") is None:
+        raise FlagError(f"--wandb {project}: needs wandb: pip install -e '.[wandb]'")
+    try:
+        import wandb  # noqa: F401
+    except Exception as e:  # a broken install: its own error, in one line
+        raise FlagError(
+            f"--wandb {project}: wandb is installed but fails to import ({type(e).__name__}: {e})"
+        ) from None
 
 
 def check_tasks(tasks: str) -> None:

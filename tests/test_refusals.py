@@ -1,0 +1,157 @@
+"""Nothing lost, every refusal in one line: a sound checkpoint of another shape is never quarantined, a
+changed skip window is carried as OLMo-core carries a state without its history, and the cases a sweep of
+real commands found unclear each get one line naming the file, flag or path."""
+
+import dataclasses
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import pytest
+from damage import flip_byte
+
+import ckpt
+import olmo3
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+FLAGS = ["--preset", "tiny", "--seq_len", "64", "--global_batch", "8", "--lr_horizon", "8", "--eval_every"]
+FLAGS += ["1000", "--samples", "0", "--ckpt_every", "4"]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tiny_data, tmp_path_factory):
+    """A tiny run of 4 steps, checkpoint at step 4, its skip window 128 (the preset's)."""
+    run_dir = tmp_path_factory.mktemp("four") / "run"
+    argv = [*FLAGS, "--steps", "4", "--data_root", str(tiny_data), "--run_dir", str(run_dir)]
+    assert train.cli(argv) == 0
+    return run_dir
+
+
+def test_a_new_skip_window_allowed_carries_the_state_and_quarantines_nothing(four_steps, tiny_data, tmp_path):
+    """The sweep's case: a copy of a 4-step run given --steps 6 --skip_window 64 --allow_config_change. The
+    checkpoint is read as saved, Adam goes on, the skip history starts empty; nothing is moved."""
+    run_dir = tmp_path / "copy"
+    shutil.copytree(four_steps, run_dir)
+    argv = [
+        *FLAGS,
+        "--steps",
+        "6",
+        "--skip_window",
+        "64",
+        "--allow_config_change",
+        "--data_root",
+        str(tiny_data),
+    ]
+    assert train.cli([*argv, "--run_dir", str(run_dir)]) == 0
+    assert not (run_dir / "quarantined").exists()
+    ckpts = ckpt.Checkpoints(run_dir, read_only=True)
+    assert ckpts.steps() == [4, 6]
+    old = ckpts.saved_train_state(4)["opt"]
+    new = ckpts.saved_train_state(6)["opt"]
+    ckpts.close()
+    assert old["losses"].shape == (128,) and new["losses"].shape == (64,)
+    _, state, _ = ckpt.Checkpoints(run_dir, read_only=True).read(6)
+    assert int(state["opt"]["seen"]) == 2 and float(state["opt"]["count"]) == 6  # history afresh, Adam on
+
+
+def test_a_sound_checkpoint_of_another_shape_is_refused_in_one_line_and_stays(four_steps, tmp_path):
+    """Read with another window (as a recipe that differs in it would): ResumeRefused, naming the arrays
+    and both shapes; never a corruption, so never moved to quarantined/."""
+    run_dir = tmp_path / "copy"
+    shutil.copytree(four_steps, run_dir)
+    cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=64, skip_window=32)
+    model = olmo3.abstract(train.model_config(cfg))
+    opt = eqx.filter_eval_shape(train.init_opt, model, cfg)
+    ckpts = ckpt.Checkpoints(run_dir)
+    like = {"opt": ckpt.on_first_device(opt), "key": jax.ShapeDtypeStruct((2,), "uint32")}
+    with pytest.raises(ckpt.ResumeRefused) as refused:
+        ckpts.restore_latest(ckpt.on_first_device(model), like)
+    ckpts.close()
+    said = str(refused.value)
+    assert "opt.losses (128,) vs (32,)" in said and "it is sound" in said and "\n" not in said
+    assert (run_dir / "checkpoints" / "4").is_dir() and not (run_dir / "quarantined").exists()
+
+
+def ckpt_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def test_a_corrupt_step_asked_for_is_named_with_its_path_and_step(four_steps, tmp_path):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(four_steps, run_dir)
+    flip_byte(run_dir / "checkpoints" / "4")
+    out = ckpt_cli("to-hf", run_dir, tmp_path / "hf", "--step", "4")
+    where = run_dir.absolute() / "checkpoints" / "4"
+    assert out.returncode == 1 and out.stderr.startswith(
+        f"error: checkpoint {where} (step 4): checksum mismatch"
+    )
+    assert out.stderr.count("\n") == 1 and not (tmp_path / "hf").exists()
+
+
+def test_list_names_an_interrupted_first_write_and_fails(tmp_path):
+    folder = tmp_path / "run" / "checkpoints"
+    (folder / "0.orbax-checkpoint-tmp-1764").mkdir(parents=True)
+    (tmp_path / "run" / "lock").write_text("pid 1 on another-host\n")
+    out = ckpt_cli("list", tmp_path / "run")
+    assert out.returncode == 1
+    assert out.stdout.splitlines()[-1] == (
+        f"no committed checkpoint in {folder}; only interrupted writes, never committed: 0.orbax-checkpoint-tmp-1764"
+    )
+
+
+def test_ckpt_py_names_no_flag_it_does_not_have(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    out = ckpt_cli("from-hf", tmp_path / "nowhere", tmp_path / "file" / "run")
+    assert out.returncode == 1 and "--run_dir" not in out.stderr and out.stderr.count("\n") == 1
+
+
+def test_average_of_a_run_with_itself_is_refused_before_anything_is_written(four_steps, tmp_path):
+    out = ckpt_cli("average", four_steps, f"{four_steps}/", tmp_path / "soup")
+    assert out.returncode == 1 and "are one run" in out.stderr and out.stderr.count("\n") == 1
+    assert not (tmp_path / "soup").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (
+            "--global_batch 6",
+            "--global_batch 6: expected a multiple of the 8 data x fsdp devices of --mesh fsdp=-1 (each "
+            "device takes whole rows)",
+        ),
+        (
+            "--global_batch 16 --microbatch 3",
+            "--microbatch 3: expected a divisor of the 2 rows each device takes (--global_batch 16 over the 8 "
+            "data x fsdp devices of --mesh fsdp=-1)",
+        ),
+    ],
+)
+def test_a_batch_that_does_not_split_names_the_flag_that_must_change(flags, says):
+    cfg = train.parse_args(["--preset", "tiny", "--mesh", "fsdp=-1", *flags.split()])
+    mesh = jax.make_mesh((1, 8, 1, 1), ("data", "fsdp", "context", "tensor"))
+    with pytest.raises(train.FlagError) as refused:
+        train.microbatches(cfg, mesh)
+    assert str(refused.value) == says
+
+
+def test_a_wandb_that_fails_to_import_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setitem(sys.modules, "wandb", None)  # found, but its import raises
+    with pytest.raises(
+        train.FlagError, match=r"^--wandb p: wandb is installed but fails to import \(ModuleNotFoundError"
+    ):
+        train.check_flags(train.parse_args(["--preset", "tiny", "--wandb", "p"]))
+
+
+def test_a_yarn_export_states_the_context_yarn_extends_to():
+    """transformers checks max_position_embeddings against YaRN's original length times its factor."""
+    cfg = dataclasses.replace(train.PRESETS["tiny"], yarn=8.0, seq_len=512)
+    hf = ckpt.config_to_hf(train.model_config(cfg))
+    assert hf["max_position_embeddings"] == 8 * olmo3.MODELS["tiny"].max_seq_len
