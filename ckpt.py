@@ -1388,19 +1388,9 @@ def _write_shards(folder: Path, tensors, shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def save_hf(
-    model: Olmo3,
-    path,
-    *,
-    dtype: str = "float32",
-    shard_bytes: int = 5 * 10**9,
-    extra: dict[str, str] | None = None,
-) -> Path:
-    """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
-    cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
-    `extra` files (name -> text: the tokenizer's)."""
-    cfg, out = model.cfg, Path(path)
-    tmp = _fresh_dir(out)
+def _write_hf(model: Olmo3, tmp: Path, dtype: str, shard_bytes: int, extra: dict[str, str]) -> None:
+    """save_hf's files, written into `tmp`."""
+    cfg = model.cfg
     np_dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}[dtype]
 
     def tensors():
@@ -1426,8 +1416,31 @@ def save_hf(
     (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
     generation = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    for name, text in (extra or {}).items():
+    for name, text in extra.items():
         (tmp / name).write_text(text)
+
+
+def save_hf(
+    model: Olmo3,
+    path,
+    *,
+    dtype: str = "float32",
+    shard_bytes: int = 5 * 10**9,
+    extra: dict[str, str] | None = None,
+) -> Path:
+    """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
+    cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
+    `extra` files (name -> text: the tokenizer's). Written beside `path` and renamed once complete: a failed
+    write (a full disk) leaves nothing, and says so in one line."""
+    from safetensors import SafetensorError
+
+    out = Path(path)
+    tmp = _fresh_dir(out)
+    try:
+        _write_hf(model, tmp, dtype, shard_bytes, extra or {})
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(f"writing {out} failed ({e}); nothing is left there") from e
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)

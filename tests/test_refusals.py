@@ -155,3 +155,18 @@ def test_a_yarn_export_states_the_context_yarn_extends_to():
     cfg = dataclasses.replace(train.PRESETS["tiny"], yarn=8.0, seq_len=512)
     hf = ckpt.config_to_hf(train.model_config(cfg))
     assert hf["max_position_embeddings"] == 8 * olmo3.MODELS["tiny"].max_seq_len
+
+
+def test_to_hf_onto_a_full_disk_says_so_in_one_line_and_leaves_nothing(four_steps, tmp_path):
+    """OUT on a 2 MB tmpfs of its own (a mount namespace), which the tiny model's 30 MB fill."""
+    full = tmp_path / "full"
+    full.mkdir()
+    command = (
+        f"mount -t tmpfs -o size=2m tmpfs {full} && {sys.executable} ckpt.py to-hf {four_steps} {full}/hf; "
+    )
+    command += f"echo rc=$?; ls -A {full}"
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", command], cwd=ROOT, capture_output=True, text=True)
+    if "mount" in out.stderr:  # (no private mounts here)
+        pytest.skip(out.stderr)
+    assert out.stderr.startswith(f"error: writing {full}/hf failed (") and out.stderr.count("\n") == 1
+    assert "No space left on device" in out.stderr and out.stdout.split() == ["rc=1"]
