@@ -1846,7 +1846,7 @@ def newest_model(run_dir) -> tuple[int, Olmo3]:
         ckpts.close()
 
 
-def average(run_a, run_b, out) -> tuple[int, int]:
+def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]:
     """The mean of two runs' weights (each run's newest valid checkpoint), as AI2 averaged the 32B's two
     midtraining runs into its release, written as step 0 of a new run directory, weights only: `to-hf` exports
     it, and train.py continues from it with Adam from zero (as AI2's stage 3 loads the average without optimizer
@@ -1857,6 +1857,11 @@ def average(run_a, run_b, out) -> tuple[int, int]:
     (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
     if diff := model_differences(a.cfg, b.cfg):
         raise ValueError(f"{run_a} and {run_b} hold different models: {diff} ({run_a} vs {run_b})")
+    if step_a != step_b and not different_steps:  # AI2's soup: two runs of one length, each at its end
+        raise ValueError(
+            f"{run_a} is at step {step_a} and {run_b} at step {step_b}: two runs at different stages; pass "
+            "--different_steps to average them anyway"
+        )
     params, static = eqx.partition(a, is_array)
     leaves, tree = jax.tree.flatten(params)
     others = jax.tree.leaves(eqx.filter(b, is_array))
@@ -1931,6 +1936,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("run_a")
     p.add_argument("run_b")
     p.add_argument("out", help="a new run directory (export it with to-hf)")
+    p.add_argument(
+        "--different_steps", action="store_true", help="average newest checkpoints at different steps too"
+    )
     args = parser.parse_args(argv)
     shard.quiet_libtpu()
     try:
@@ -1967,7 +1975,7 @@ def run_command(args) -> int:
         print(f"wrote step {step} of {args.run_dir} to {args.out}")
         return 0
     if args.command == "average":
-        step_a, step_b = average(args.run_a, args.run_b, args.out)
+        step_a, step_b = average(args.run_a, args.run_b, args.out, args.different_steps)
         print(
             f"wrote the mean of {args.run_a} (step {step_a}) and {args.run_b} (step {step_b}) as step 0 of "
             f"{args.out}; export it with:\n  python ckpt.py to-hf {args.out} OUT_HF_DIR"
