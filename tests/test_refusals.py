@@ -170,3 +170,27 @@ def test_to_hf_onto_a_full_disk_says_so_in_one_line_and_leaves_nothing(four_step
         pytest.skip(out.stderr)
     assert out.stderr.startswith(f"error: writing {full}/hf failed (") and out.stderr.count("\n") == 1
     assert "No space left on device" in out.stderr and out.stdout.split() == ["rc=1"]
+
+
+def test_eval_only_given_checkpoints_and_other_weights_is_refused_as_ambiguous(
+    four_steps, tiny_data, tmp_path, capsys
+):
+    """--eval_only scores the weights the flags name: a run directory with checkpoints and --init_from both
+    name weights, so it is refused in one line, and the run directory is left as it was."""
+    ckpt.save_hf(olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(1)), tmp_path / "hf")
+    before = {p: p.read_bytes() for p in four_steps.rglob("*") if p.is_file()}
+    argv = [
+        *FLAGS,
+        "--steps",
+        "4",
+        "--data_root",
+        str(tiny_data),
+        "--run_dir",
+        str(four_steps),
+        "--eval_only",
+    ]
+    assert train.cli([*argv, "--init_from", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --eval_only --init_from {tmp_path / 'hf'}: --run_dir {four_steps} holds ")
+    assert "ambiguous" in err and err.count("\n") == 1
+    assert {p: p.read_bytes() for p in four_steps.rglob("*") if p.is_file()} == before
