@@ -8,6 +8,7 @@ during_save:S   SIGKILL while checkpoint S is being written in the background
 after_commit:S  SIGKILL right after checkpoint S is committed
 disk_full:S     from checkpoint S on, no file may grow past 1 MB (writes fail as on a full disk)
 hold:S          after step S, wait until the file named by $FAULT_GO exists (another process's turn, for sure)
+in_eval:S       SIGKILL in the evaluation of step S, its scores computed and printed, its row not yet written
 none:0          no fault
 """
 
@@ -24,7 +25,7 @@ import train  # noqa: E402
 
 moment, at = sys.argv[1].split(":")
 at = int(at)
-real_take_step, real_save = train.take_step, train.save
+real_take_step, real_save, real_record = train.take_step, train.save, train.record_eval_row
 
 
 def kill():
@@ -54,5 +55,11 @@ def save(run, step, *args):
         kill()
 
 
-train.take_step, train.save = take_step, save
+def record_eval_row(run, row):
+    if moment == "in_eval" and row["step"] == at:
+        kill()
+    real_record(run, row)
+
+
+train.take_step, train.save, train.record_eval_row = take_step, save, record_eval_row
 sys.exit(train.cli(sys.argv[2:]))

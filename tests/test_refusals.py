@@ -4,6 +4,7 @@ real commands found unclear each get one line naming the file, flag or path."""
 
 import dataclasses
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,16 @@ def test_a_new_skip_window_allowed_carries_the_state_and_quarantines_nothing(fou
     assert old["losses"].shape == (128,) and new["losses"].shape == (64,)
     _, state, _ = ckpt.Checkpoints(run_dir, read_only=True).read(6)
     assert int(state["opt"]["seen"]) == 2 and float(state["opt"]["count"]) == 6  # history afresh, Adam on
+    # OLMo-core after a load without history skips nothing until half its window is known, nor does a run
+    # that never stopped (no spike here): steps 5 and 6 are those of 6 steps straight, bit for bit.
+    straight = tmp_path / "straight"
+    assert train.cli([*FLAGS, "--steps", "6", "--data_root", str(tiny_data), "--run_dir", str(straight)]) == 0
+    assert train_rows(run_dir)[4:] == train_rows(straight)[4:] and len(train_rows(run_dir)) == 6
+
+
+def train_rows(run_dir: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows if "loss" in r]
 
 
 def test_a_sound_checkpoint_of_another_shape_is_refused_in_one_line_and_stays(four_steps, tmp_path):
@@ -150,11 +161,24 @@ def test_a_wandb_that_fails_to_import_is_refused_in_one_line(monkeypatch):
         train.check_flags(train.parse_args(["--preset", "tiny", "--wandb", "p"]))
 
 
-def test_a_yarn_export_states_the_context_yarn_extends_to():
-    """transformers checks max_position_embeddings against YaRN's original length times its factor."""
+def test_a_stage_3_export_is_read_by_transformers_without_a_warning(tmp_path):
+    """A YaRN model exported at a --seq_len below the context YaRN extends to: transformers checks
+    max_position_embeddings against YaRN's original length times its factor, and warns where they differ."""
+    import logging
+
+    import transformers
+
     cfg = dataclasses.replace(train.PRESETS["tiny"], yarn=8.0, seq_len=512)
-    hf = ckpt.config_to_hf(train.model_config(cfg))
-    assert hf["max_position_embeddings"] == 8 * olmo3.MODELS["tiny"].max_seq_len
+    ckpt.save_hf(olmo3.Olmo3(train.model_config(cfg), key=jax.random.key(0)), tmp_path / "hf")
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        hf = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert hf.max_position_embeddings == 8 * olmo3.MODELS["tiny"].max_seq_len and said == []
 
 
 def test_to_hf_onto_a_full_disk_says_so_in_one_line_and_leaves_nothing(four_steps, tmp_path):

@@ -388,6 +388,8 @@ def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, refe
     assert [r["eval/lm/tiny-val/CE loss"] for r in added] == [trained["eval/lm/tiny-val/CE loss"]] * 2
     assert all("eval_loss" not in r and r["eval_sets"] == "tiny-val" for r in added)
     assert (run_dir / "config.json").read_text() == config
+    out = run(env, run_dir, tiny_data, "--eval_only", fault=f"in_eval:{STEPS}")  # killed before its row
+    assert out.returncode == -9 and (run_dir / "metrics.jsonl").read_text() == text
     # On a read-only mount (a mount namespace of its own; root ignores file modes), the same command.
     command = " ".join([sys.executable, "tests/faults.py", "none:0", *FLAGS, "--data_root", str(tiny_data)])
     readonly = (
