@@ -20,7 +20,9 @@ reference run over the same files:
 import argparse
 import bisect
 import collections
+import concurrent.futures
 import contextlib
+import fnmatch
 import functools
 import glob
 import hashlib
@@ -35,8 +37,11 @@ import shutil
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,28 +80,29 @@ def mix_lines(
     mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID
 ) -> list[tuple[int, str, str]]:
     """(line number, label, token file under data_root) for each entry of an OLMo-core mix file (`label,path`
-    lines, `#` comments)."""
-    if not os.path.isfile(mix_file):
-        raise FileNotFoundError(
+    lines, `#` comments), a local file or a URL."""
+    size = file_size(mix_file)
+    if size is None:
+        error = DataError if is_url(mix_file) else FileNotFoundError
+        raise error(
             f"mix file {mix_file} does not exist (OLMo-core's official mixes are in its package, "
             "olmo_core/data/mixes/; pass the file's path)"
         )
     entries = []
-    with open(mix_file) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            fields = line.split(",")
-            if len(fields) != 2:
-                raise DataError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
-            path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
-            if "{" in path:
-                raise DataError(
-                    f"{mix_file} line {n}: {path} has a placeholder with no value (for "
-                    "{TOKENIZER}, pass tokenizer_id)"
-                )
-            entries.append((n, fields[0], os.path.join(data_root, path)))
+    for n, line in enumerate(load_array(mix_file, np.uint8, size).tobytes().decode().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split(",")
+        if len(fields) != 2:
+            raise DataError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
+        path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
+        if "{" in path:
+            raise DataError(
+                f"{mix_file} line {n}: {path} has a placeholder with no value (for "
+                "{TOKENIZER}, pass tokenizer_id)"
+            )
+        entries.append((n, fields[0], under(data_root, path)))
     if not entries:
         raise DataError(f"mix file {mix_file} lists no token files")
     return entries
@@ -140,11 +146,215 @@ def write_atomic(path, text: str) -> None:
         f.write(text)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Files at a path or a URL (gs://BUCKET/..., http(s)://HOST/...). A URL is read by byte range through
+# TensorStore (installed with Orbax): the reads of a batch go out at once, on its C++ threads, and its gcs and
+# http drivers retry timeouts and 5xx with backoff (RETRIES). A size is the server's metadata (an HTTP HEAD, a
+# GCS object's size), never a download. A URL that is missing or refused is a DataError naming it.
+
+URL_SCHEMES = ("gs", "http", "https")
+GCS_EXTRA = "pip install -e '.[gcs]'"
+# Backoff doubling from 0.1 s to 30 s: ~80 s of retries before a read fails (TensorStore's default, 32 retries
+# up to 32 s apart, would wait 15 minutes on a server that is down). TensorStore also cuts a transfer that
+# stalls for 60 s (TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS), and that is retried too.
+RETRIES = {"max_retries": 10, "initial_delay": "0.1s", "max_delay": "30s"}
+TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)  # statuses worth another try, as TensorStore's http driver
+IN_FLIGHT = 64  # requests at once to one bucket or server (TensorStore's default, 32, halves a host's reads)
+WHOLE_FILE_CHUNK = 64 << 20  # a whole file (a scan, a cache) is read as concurrent ranges of this many bytes
+
+
+def is_url(path: str) -> bool:
+    return "://" in path
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """("gs://BUCKET", object name) or ("http(s)://HOST", "/path"); other schemes are refused."""
+    scheme, _, rest = url.partition("://")
+    host, _, key = rest.partition("/")
+    if scheme not in URL_SCHEMES or not host or not key:
+        raise DataError(
+            f"{url}: expected a local path or gs://BUCKET/PATH, http://HOST/PATH, https://HOST/PATH"
+        )
+    return f"{scheme}://{host}", key if scheme == "gs" else "/" + urllib.parse.unquote(key)
+
+
+def under(root: str, path: str) -> str:
+    """path under root, a folder or a URL (OLMo-core's f"{base_dir}/{path}"); a URL or absolute path as is."""
+    if not root or is_url(path) or os.path.isabs(path):
+        return path
+    return f"{root.rstrip('/')}/{path}" if is_url(root) else os.path.join(root, path)
+
+
+@functools.cache
+def _store(root: str):
+    """The TensorStore key-value store of a bucket or a server, opened once, so its connections are reused."""
+    import tensorstore as ts
+
+    limit = {"limit": IN_FLIGHT}
+    context = ts.Context(
+        {
+            "gcs_request_retries": RETRIES,
+            "http_request_retries": RETRIES,
+            "gcs_request_concurrency": limit,
+            "http_request_concurrency": limit,
+        }
+    )
+    gcs = root.startswith("gs://")
+    spec = {"driver": "gcs", "bucket": root[5:]} if gcs else {"driver": "http", "base_url": root}
+    return ts.KvStore.open(spec, context=context).result()
+
+
+def read_ranges(ranges: list[tuple[str, int, int]]) -> Iterator[bytes]:
+    """The bytes [start, stop) of each (path, start, stop), in order: the reads of URLs all sent now, those of
+    local files made as they are taken. A range the file does not hold in full is an error, never padding."""
+    sent = [_sent(*where) for where in ranges]
+    return (_received(future, *where) for future, where in zip(sent, ranges))
+
+
+def _sent(path: str, start: int, stop: int):
+    if not is_url(path) or start == stop:  # (an empty range asks no server)
+        return None
+    root, key = split_url(path)
+    return _store(root).read(key, byte_range=slice(start, stop))
+
+
+def _received(future, path: str, start: int, stop: int) -> bytes:
+    if future is None and is_url(path):
+        value = b""
+    elif future is None:  # one open per read, as OLMo-core's load_array_slice: no file stays open
+        with open(path, "rb") as f:
+            f.seek(start)
+            value = f.read(stop - start)
+    else:
+        try:
+            result = future.result()
+        except ValueError as e:  # TensorStore's, once its retries are spent (or at once: a 403, a short file)
+            raise DataError(f"{path}: reading bytes {start}..{stop} failed: {e}") from e
+        if result.state == "missing":
+            raise DataError(f"{path} does not exist (404 Not Found)")
+        value = result.value
+    if len(value) != stop - start:
+        raise DataError(
+            f"{path}: bytes {start}..{stop} read as {len(value)}: the file is shorter than expected"
+        )
+    return value
+
+
+def file_size(path: str) -> int | None:
+    """A file's size in bytes, None if it does not exist: the local file's, or the server's metadata."""
+    if not is_url(path):
+        return os.path.getsize(path) if os.path.isfile(path) else None
+    root, key = split_url(path)
+    return _gcs_size(root[5:], key, path) if root.startswith("gs://") else _http_size(path)
+
+
+def file_sizes(paths: list[str]) -> list[int | None]:
+    """file_size of each path, 32 at a time: a mix of 1,016 files at a URL is 1,016 requests, seconds."""
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        return list(pool.map(file_size, paths))
+
+
+def _http_size(url: str) -> int | None:
+    """Content-Length of an HTTP HEAD, retried on timeouts and 5xx with TensorStore's backoff; None on a 404."""
+    tries = RETRIES["max_retries"] + 1
+    for attempt in range(tries):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as response:
+                if (length := response.headers["Content-Length"]) is None:
+                    raise DataError(
+                        f"{url}: the server states no Content-Length, so the file's size is unknown"
+                    )
+                return int(length)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            if e.code not in TRANSIENT_HTTP:
+                raise DataError(f"{url}: HTTP {e.code} {e.reason}") from e
+            error = e
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+            error = e
+        time.sleep(min(0.1 * 2**attempt, 30))
+    raise DataError(f"{url}: no answer in {tries} tries over ~80 s, the last: {error}") from error
+
+
+@functools.cache
+def _gcs_client():
+    """google-cloud-storage's client, for gs:// sizes and listings. Anonymous where no credentials are found, as
+    TensorStore then reads, so that a public bucket reads from anywhere."""
+    try:
+        from google.auth.exceptions import DefaultCredentialsError
+        from google.cloud import storage
+    except ImportError as e:
+        raise DataError(
+            f"gs:// data needs google-cloud-storage for object sizes and listings: {GCS_EXTRA}"
+        ) from e
+    try:
+        return storage.Client()
+    except DefaultCredentialsError:
+        return storage.Client.create_anonymous_client()
+
+
+def _gcs_size(bucket: str, name: str, url: str) -> int | None:
+    from google.api_core.exceptions import GoogleAPICallError
+
+    try:  # the client retries timeouts, 429 and 5xx itself
+        blob = _gcs_client().bucket(bucket).get_blob(name)
+    except GoogleAPICallError as e:
+        raise DataError(f"{url}: {e}") from e
+    return None if blob is None else blob.size
+
+
+def _glob(pattern: str, flag: str) -> list[str]:
+    """The files a glob matches, sorted; on gs:// from a listing, * and ? within one folder as glob's."""
+    if not is_url(pattern):
+        return sorted(glob.glob(pattern))
+    root, key = split_url(pattern)
+    if not root.startswith("gs://"):
+        raise DataError(
+            f"{flag}: {pattern}: an HTTP server lists no files to glob; name each file or use a mix file"
+        )
+    parts = key.split("/")
+    names = (blob.name for blob in _gcs_client().list_blobs(root[5:], prefix=re.split(r"[*?[]", key)[0]))
+    matches = lambda name: (
+        len(name.split("/")) == len(parts) and all(map(fnmatch.fnmatchcase, name.split("/"), parts))
+    )
+    return sorted(f"{root}/{name}" for name in names if matches(name))
+
+
+def load_array(path: str, dtype, size: int) -> np.ndarray:
+    """A whole headerless array file of `size` bytes: memory-mapped if local, else read as concurrent ranges."""
+    if not is_url(path):
+        return np.memmap(path, dtype, "r") if size else np.empty(0, dtype)
+    out = np.empty(size, np.uint8)
+    chunks = [(path, a, min(a + WHOLE_FILE_CHUNK, size)) for a in range(0, size, WHOLE_FILE_CHUNK)]
+    for (_, a, b), value in zip(chunks, read_ranges(chunks)):
+        out[a:b] = np.frombuffer(value, np.uint8)
+    return out.view(dtype)
+
+
+def write_file(path: str, contents: bytes | np.ndarray) -> None:
+    """Write a file whole: readers see the old file or the new, never a torn one (a local file is renamed into
+    place; a GCS object is only ever seen whole)."""
+    if not is_url(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with _atomic(path) as f:
+            f.write(memoryview(contents))
+        return
+    root, key = split_url(path)
+    data = contents if isinstance(contents, bytes) else contents.tobytes()
+    try:
+        _store(root).write(key, data).result()
+    except ValueError as e:
+        raise DataError(f"{path}: writing failed: {e}") from e
+
+
 def expand(patterns: list[str], flag: str) -> list[str]:
-    """Each path as given, a glob as the sorted files it matches; a glob matching nothing is refused."""
+    """Each path as given, a glob as the sorted files it matches (an http(s) URL is never a glob: its ? starts
+    a query); a glob matching nothing is refused."""
     found = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        is_glob = not pattern.startswith("http") and any(c in pattern for c in "*?[")
+        matches = _glob(pattern, flag) if is_glob else [pattern]
         if not matches:
             raise DataError(f"{flag}: {pattern!r} matches no file")
         found += matches
@@ -166,7 +376,7 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
         raise DataError(
             "--data is empty: give token files (comma-separated, globs allowed), a mix .txt file, or 'tiny'"
         )
-    if data_root and not os.path.isdir(data_root):
+    if data_root and not is_url(data_root) and not os.path.isdir(data_root):
         raise DataError(
             f"--data_root {data_root} is not a directory: it is the folder relative paths of --data, "
             "--eval_data and the mix file are under (only with --data tiny is it created, for that corpus)"
@@ -175,11 +385,9 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
     def files(flag, spec):
         if spec.endswith(".txt"):
             return read_mix(spec, data_root)
-        found = expand(
-            [os.path.join(data_root, part) for part in spec.split(",") if part], f"{flag} {spec!r}"
-        )
+        found = expand([under(data_root, part) for part in spec.split(",") if part], f"{flag} {spec!r}")
         for path in found:
-            if os.path.isdir(path):
+            if not is_url(path) and os.path.isdir(path):
                 raise DataError(
                     f"{flag} {spec!r}: {path} is a directory; expected token files in it (e.g. "
                     f"{os.path.join(path, '*.npy')}), a mix .txt file or 'tiny'"
@@ -189,12 +397,14 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
     return files("--data", spec), eval_sets(eval_spec, data_root) if eval_spec else {}, None
 
 
-def check_layout(path: str, dtype: np.dtype):
-    """Refuse a token file laid out otherwise than headerless ids of dtype, where its bytes say so: a .npy
-    header (np.save), or uint32 ids read as uint16 (below 65,536, each id's high half, every odd uint16 in a
-    sample of the file's head, is zero; a real uint16 file has a zero, an EOS at most, here and there)."""
-    with open(path, "rb") as f:
-        head = f.read(8192)
+HEAD_BYTES = 16384  # a token file's head, read once: check_layout's 8,192 bytes, TokenLoader's 4,096 ids
+
+
+def check_layout(path: str, head: bytes, dtype: np.dtype):
+    """Refuse a token file laid out otherwise than headerless ids of dtype, where its head's bytes say so: a
+    .npy header (np.save), or uint32 ids read as uint16 (below 65,536, each id's high half, every odd uint16 in
+    a sample of the file's head, is zero; a real uint16 file has a zero, an EOS at most, here and there)."""
+    head = head[:8192]
     if head.startswith(b"\x93NUMPY"):
         raise DataError(
             f"{path} starts with a .npy header (np.save): token files are headerless ids; rewrite it with "
@@ -213,18 +423,22 @@ def check_layout(path: str, dtype: np.dtype):
         )
 
 
-def _num_tokens(path: str, dtype: np.dtype) -> int:
-    """Token count of a headerless token file, refusing a size that is not a whole number of tokens."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"token file {path} does not exist")
-    check_layout(path, dtype)
-    size = os.path.getsize(path)
-    if size % dtype.itemsize:
-        raise DataError(
-            f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut "
-            "short, or of another dtype (--data_dtype)?"
-        )
-    return size // dtype.itemsize
+def token_files(paths: list[str], dtype: np.dtype) -> tuple[list[int], list[bytes]]:
+    """Each token file's token count and its head (HEAD_BYTES), every file looked up and its head read at once;
+    a file missing, laid out otherwise (check_layout) or not a whole number of tokens long is refused."""
+    sizes = file_sizes(paths)
+    for path, size in zip(paths, sizes):
+        if size is None:
+            raise (DataError if is_url(path) else FileNotFoundError)(f"token file {path} does not exist")
+    heads = list(read_ranges([(path, 0, min(size, HEAD_BYTES)) for path, size in zip(paths, sizes)]))
+    for path, size, head in zip(paths, sizes, heads):
+        check_layout(path, head, dtype)
+        if size % dtype.itemsize:
+            raise DataError(
+                f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut "
+                "short, or of another dtype (--data_dtype)?"
+            )
+    return [size // dtype.itemsize for size in sizes], heads
 
 
 def bad_id(path: str, offset: int, token_id: int, vocab_size: int) -> DataError:
@@ -271,26 +485,25 @@ class GlobalOrder:
             return global_indices(n, self.seed, self.epoch)
         # OLMo-core's own file name and format, so either trainer can reuse the other's cache.
         name = f"global_indices_dataset_size{n}_epoch{self.epoch}_seed{self.seed}_v1.npy"
-        path = os.path.join(self.work_dir, name)
-        if os.path.isfile(path):
+        path = under(self.work_dir, name)  # a folder, or a gs:// URL every host and restart shares
+        if (size := file_size(path)) is not None:
             # A permutation of 0..n-1 sums to n(n-1)/2; a short or damaged file almost surely does not.
-            size = os.path.getsize(path)
-            total = int(np.memmap(path, np.uint32, "r").sum(dtype=np.uint64)) if size == 4 * n else -1
-            if total == n * (n - 1) // 2:
-                return np.memmap(path, np.uint32, "r")
+            cached = load_array(path, np.uint32, size) if size == 4 * n else None
+            if cached is not None and int(cached.sum(dtype=np.uint64)) == n * (n - 1) // 2:
+                return cached
             print(
                 f"data: rebuilding the damaged permutation cache {path} ({size} bytes, expected {4 * n}, "
                 "or wrong contents)"
             )
-        os.makedirs(self.work_dir, exist_ok=True)
-        with _atomic(path) as f:
-            global_indices(n, self.seed, self.epoch).tofile(f)
-        return np.memmap(path, np.uint32, "r")
+        indices = global_indices(n, self.seed, self.epoch)
+        write_file(path, indices)
+        # A local cache is read back memory-mapped, so the processes of a host share it in the page cache.
+        return indices if is_url(path) else np.memmap(path, np.uint32, "r")
 
-    def order_fingerprint(self, paths: list[str], seq_len: int, dtype: np.dtype) -> dict:
+    def order_fingerprint(self, paths: list[str], tokens: list[int], seq_len: int, dtype: np.dtype) -> dict:
         """What the order depends on, as a checkpoint records it (a resume on other data is refused)."""
         return {
-            "files": files_fingerprint(paths, dtype),
+            "files": files_fingerprint(paths, tokens, dtype),
             "seq_len": seq_len,
             "dtype": str(dtype),
             "seed": self.seed,
@@ -319,13 +532,12 @@ class GlobalOrder:
         return np.arange(rank, self.global_batch_size, world)
 
 
-def files_fingerprint(paths: list[str], dtype: np.dtype) -> list:
+def files_fingerprint(paths: list[str], tokens: list[int], dtype: np.dtype) -> list:
     """Each file as [name, bytes], the names relative to the files' common folder, so that a data root mounted
-    elsewhere still resumes."""
-    root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
-    return [
-        [os.path.relpath(os.path.abspath(p), root), _num_tokens(p, dtype) * dtype.itemsize] for p in paths
-    ]
+    elsewhere, or the same files at a URL, still resumes."""
+    where = ["/" + split_url(p)[1].lstrip("/") if is_url(p) else os.path.abspath(p) for p in paths]
+    root = os.path.commonpath([os.path.dirname(w) for w in where])
+    return [[os.path.relpath(w, root), n * dtype.itemsize] for w, n in zip(where, tokens)]
 
 
 class TokenLoader(GlobalOrder):
@@ -346,7 +558,7 @@ class TokenLoader(GlobalOrder):
         if not self.paths:
             raise DataError("no token files given (an empty mix or path list)")
         self.seq_len, self.dtype, self.vocab_size = seq_len, np.dtype(dtype), vocab_size
-        tokens = [_num_tokens(p, self.dtype) for p in self.paths]
+        tokens, heads = token_files(self.paths, self.dtype)
         # Instances of file k are numbers offsets[k] .. offsets[k+1]-1.
         self.offsets = np.cumsum([0] + [n // seq_len for n in tokens])
         if self.offsets[-1] == 0:
@@ -358,9 +570,11 @@ class TokenLoader(GlobalOrder):
         what = f"instances of {seq_len} tokens"
         super().__init__(int(self.offsets[-1]), global_batch_size, seed, epoch, work_dir, what)
         if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
-            for p in self.paths:
-                _check_ids(np.fromfile(p, self.dtype, count=4096), vocab_size, p, 0)
-        self.fingerprint = self.order_fingerprint(self.paths, seq_len, self.dtype)
+            for p, head in zip(self.paths, heads):
+                _check_ids(
+                    np.frombuffer(head, self.dtype, len(head) // self.dtype.itemsize), vocab_size, p, 0
+                )
+        self.fingerprint = self.order_fingerprint(self.paths, tokens, seq_len, self.dtype)
 
     def where(self, j: int) -> tuple[str, int]:
         """The file instance j is read from, and the offset of its first token there (in tokens)."""
@@ -371,12 +585,19 @@ class TokenLoader(GlobalOrder):
 
     def instance(self, j: int) -> np.ndarray:
         """Instance j of the dataset (file order, before shuffling) as uint32[seq_len]."""
-        path, offset = self.where(j)
-        # One read per instance, as OLMo-core's load_array_slice: no file stays open, where a memmap per
-        # file would hold 1016 descriptors for the real mix, past the usual limit of 1024.
-        return np.fromfile(path, self.dtype, count=self.seq_len, offset=offset * self.dtype.itemsize).astype(
-            np.uint32
-        )
+        return self.read([j])[0]
+
+    def read(self, instances) -> np.ndarray:
+        """These instances as uint32[len(instances), seq_len]: one read each, as OLMo-core's load_array_slice (a
+        memmap per file would hold 1016 descriptors for the real mix, past the usual limit of 1024), the
+        reads of a URL's all sent at once."""
+        size = self.seq_len * self.dtype.itemsize
+        starts = [self.where(int(j)) for j in instances]
+        ranges = [
+            (path, offset * self.dtype.itemsize, offset * self.dtype.itemsize + size)
+            for path, offset in starts
+        ]
+        return np.stack([np.frombuffer(value, self.dtype) for value in read_ranges(ranges)]).astype(np.uint32)
 
     def global_batch(self, i: int) -> np.ndarray:
         """Batch i (0-indexed: OLMo-core's step i+1) as uint32[global_batch_size, seq_len]."""
@@ -387,7 +608,7 @@ class TokenLoader(GlobalOrder):
         return self._rows(self.batch_indices(i)[self.row_ids(rank, world)])
 
     def _rows(self, instances: np.ndarray) -> np.ndarray:
-        rows = np.stack([self.instance(int(j)) for j in instances])
+        rows = self.read(instances)
         # Every id is checked as it is read (a max over the batch costs ~1 ms at the 7B's, beside a step of
         # seconds): an id past the vocabulary would index past the embedding and train on garbage.
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
@@ -449,7 +670,7 @@ def eval_sets(spec: str, data_root: str) -> dict[str, list[str]]:
                     f"--eval_data {spec!r}: set {label!r} is given twice or is not a label (letters, digits, "
                     "_.+-); expected LABEL=FILES,LABEL=FILES"
                 )
-        found = expand([os.path.join(data_root, part)], f"--eval_data {spec!r} (set {label})") if part else []
+        found = expand([under(data_root, part)], f"--eval_data {spec!r} (set {label})") if part else []
         sets[label] = sets.get(label, []) + found
     for label, files in sets.items():
         if not files:
@@ -477,6 +698,10 @@ def eval_mix_sets(mix_file: str, data_root: str) -> dict[str, list[str]]:
 
 def check_eval_file(path: str, where: str) -> None:
     """Refuse a held-out token file that is not there: a set is scored or refused, never dropped."""
+    if is_url(path):
+        if file_size(path) is None:
+            raise DataError(f"{where}: token file {path} does not exist")
+        return
     if os.path.isdir(path):
         raise DataError(
             f"{where}: {path} is a directory; expected token files (e.g. {os.path.join(path, '*.npy')})"
@@ -485,26 +710,18 @@ def check_eval_file(path: str, where: str) -> None:
         raise DataError(f"{where}: token file {path} does not exist")
 
 
-def document_spans(path: str, seq_len: int, eos_id: int, dtype) -> np.ndarray:
-    """[start, end) of each document of a token file, its first seq_len tokens: OLMo-core's
-    segment_documents_into_instances. A document ends at an EOS (kept); tokens after the last EOS are in none."""
-    dtype = np.dtype(dtype)
-    n = _num_tokens(path, dtype)
-    ends = np.flatnonzero(np.memmap(path, dtype, "r") == eos_id) + 1 if n else np.empty(0, np.int64)
+def document_spans(tokens: np.ndarray, path: str, seq_len: int, eos_id: int) -> np.ndarray:
+    """[start, end) of each document of a token file's tokens (from `path`), its first seq_len tokens:
+    OLMo-core's segment_documents_into_instances. A document ends at an EOS (kept); tokens after the last EOS
+    are in none."""
+    ends = np.flatnonzero(tokens == eos_id) + 1
     if not len(ends):
         raise DataError(
-            f"{path}: no EOS (id {eos_id}) in its {n} tokens, so no document (held-out sets are scored and "
-            "packed instances made a document at a time, as OLMo-core makes them)"
+            f"{path}: no EOS (id {eos_id}) in its {len(tokens)} tokens, so no document (held-out sets are "
+            "scored and packed instances made a document at a time, as OLMo-core makes them)"
         )
     starts = np.concatenate([[0], ends[:-1]])
     return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
-
-
-def files_document_spans(paths: list[str], files, seq_len: int, eos_id: int, dtype) -> np.ndarray:
-    """document_spans of paths[k] for each k of `files`, one after the other, as rows (k, start, end)."""
-    return np.concatenate(
-        [np.insert(document_spans(paths[k], seq_len, eos_id, dtype), 0, k, axis=1) for k in files]
-    )
 
 
 class PaddedEvalSet:
@@ -514,8 +731,12 @@ class PaddedEvalSet:
 
     def __init__(self, label: str, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype):
         self.label, self.paths, self.seq_len, self.pad_id = label, list(paths), seq_len, pad_id
-        self.tokens = [np.memmap(p, np.dtype(dtype), "r") for p in self.paths]
-        self.spans = files_document_spans(self.paths, range(len(self.paths)), seq_len, eos_id, dtype)
+        dtype = np.dtype(dtype)
+        counts = token_files(self.paths, dtype)[0]
+        # Held-out files are small: memory-mapped, or a URL's read whole, once.
+        self.tokens = [load_array(p, dtype, n * dtype.itemsize) for p, n in zip(self.paths, counts)]
+        spans = [document_spans(t, p, seq_len, eos_id) for p, t in zip(self.paths, self.tokens)]
+        self.spans = np.concatenate([np.insert(s, 0, k, axis=1) for k, s in enumerate(spans)])
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -559,33 +780,161 @@ def pack_best_fit(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
     return instances
 
 
+# OLMo-core's packing cache, three uint64 files a group of files (NumpyPackedFSLDataset._get_indices_path):
+# each document's [start, end) in the group's tokens, longest first (InstancePacker's numbering); each
+# instance's [first, end) in the third, which lists the documents instance by instance.
+PACKING_CACHES = ("document-indices", "instance-offsets", "documents-by-instance")
+
+
+def read_caches(caches: list[list[str] | None]) -> list[tuple[np.ndarray, ...] | None]:
+    """Each group's PACKING_CACHES files as uint64 arrays, all read at once; None where there is no cache or a
+    file of it is missing."""
+    paths = [path for cache in caches if cache for path in cache]
+    sizes = dict(zip(paths, file_sizes(paths)))
+    there = [path for path in paths if sizes[path] is not None]
+    values = dict(zip(there, read_ranges([(path, 0, sizes[path]) for path in there])))
+    whole = lambda b: np.frombuffer(b[: len(b) // 8 * 8], np.uint64)  # a file cut short fails sound()
+    return [
+        tuple(whole(values[path]) for path in cache) if cache and all(p in values for p in cache) else None
+        for cache in caches
+    ]
+
+
 class PackedInstances:
     """Token files as OLMo-core's NumpyPackedFSLDataset makes instances of them (its long-context stage's data):
     the documents (document_spans: EOS-terminated, a longer one cut to seq_len) of each group of
     `group_size` consecutive files packed by pack_best_fit, the groups' instances one after the other;
     each instance right-padded with pad_id, its label mask False on the padding, and its document lengths
     as OLMo-core's get_document_lengths reads them off the tokens (each EOS ends one; the padding is one more).
-    Every file's documents are found once, here: a pass over all the tokens (minutes for a 100B-token mix)."""
+    Finding the documents takes a pass over every token (minutes for a 100B-token mix, far more over a
+    network), so it is made once: kept in work_dir, if given, as OLMo-core's packing cache, which every
+    restart, every host and OLMo-core itself reads instead. Of a first pass, host `share[0]` of `share[1]`
+    scans its share of the groups first, then reads the others' (scanning any not there yet itself)."""
 
-    def __init__(self, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype, group_size: int = 1):
+    def __init__(
+        self,
+        paths: list[str],
+        seq_len: int,
+        eos_id: int,
+        pad_id: int,
+        dtype,
+        group_size: int = 1,
+        work_dir: str | None = None,
+        share: tuple[int, int] = (0, 1),
+    ):
         self.paths, self.seq_len, self.eos_id, self.pad_id = list(paths), seq_len, eos_id, pad_id
         self.dtype = np.dtype(dtype)
-        self.spans = []  # per instance: its documents as (file, start, end)
-        for first in range(0, len(paths), group_size):
-            group = range(first, min(first + group_size, len(paths)))
-            spans = files_document_spans(self.paths, group, seq_len, eos_id, dtype)
-            for docs in pack_best_fit(spans[:, 2] - spans[:, 1], seq_len):
-                self.spans.append(spans[docs])
+        self.tokens = token_files(self.paths, self.dtype)[0]
+        groups = [list(range(a, min(a + group_size, len(paths)))) for a in range(0, len(paths), group_size)]
+        caches = [self.cache_paths(work_dir, g) for g in groups] if work_dir else [None] * len(groups)
+        found = read_caches(caches)
+        rank, world = share
+        instances = {}
+        for i in sorted(range(len(groups)), key=lambda i: (i % world != rank, i)):  # this host's share first
+            if found[i] is None and i % world != rank:  # another host's share: written by now?
+                found[i] = read_caches(caches[i : i + 1])[0]
+            instances[i] = self.group_instances(groups[i], caches[i], found[i])
+        # Per instance, its documents as rows (file, start, end).
+        self.spans = [spans for i in range(len(groups)) for spans in instances[i]]
+
+    def cache_paths(self, work_dir: str, group: list[int]) -> list[str]:
+        """OLMo-core's names for a group's PACKING_CACHES: a hash of the files' paths and sizes (in bytes), its
+        long-document strategy and index dtype, so that either trainer reads the other's."""
+        digest = hashlib.sha256()
+        for k in group:
+            digest.update(self.paths[k].encode())
+            digest.update(str(self.tokens[k] * self.dtype.itemsize).encode())
+        for extra in ("truncate", "uint64"):
+            digest.update(extra.encode())
+        name = f"{self.seq_len}-{digest.hexdigest()}.npy"
+        return [under(work_dir, f"dataset-common/{cache}-{name}") for cache in PACKING_CACHES]
+
+    def group_instances(self, group: list[int], cache: list[str] | None, found) -> list[np.ndarray]:
+        """A group's instances, each as its documents' (file, start, end) rows: from its cache if `found` there
+        and sound, else scanned and packed (and cached)."""
+        if found is not None:
+            if self.sound(found, group):
+                return self.unpack(found, group)
+            print(f"data: rebuilding the damaged packing cache {cache[0]} (and the two files beside it)")
+        arrays = self.pack(group)
+        for path, array in zip(cache or [], arrays):
+            write_file(path, array)
+        return self.unpack(arrays, group)
+
+    def pack(self, group: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Find the documents of a group's files (every token read) and pack them: PACKING_CACHES' arrays."""
+        first = np.cumsum([0] + [self.tokens[k] for k in group])  # each file's first token in the group
+        documents = np.concatenate(
+            [
+                document_spans(self.file_tokens(k), self.paths[k], self.seq_len, self.eos_id) + first[i]
+                for i, k in enumerate(group)
+            ]
+        )
+        lengths = documents[:, 1] - documents[:, 0]
+        instances = pack_best_fit(lengths, self.seq_len)
+        counts = np.array([len(docs) for docs in instances])
+        offsets = np.stack([np.cumsum(counts) - counts, np.cumsum(counts)], axis=1)
+        longest_first = np.argsort(-1 * lengths)  # pack_best_fit's order, in which OLMo-core numbers them
+        number = np.empty_like(longest_first)
+        number[longest_first] = np.arange(len(longest_first))
+        arrays = (documents[longest_first], offsets, number[np.concatenate(instances)])
+        return tuple(a.astype(np.uint64).ravel() for a in arrays)
+
+    def file_tokens(self, k: int) -> np.ndarray:
+        return load_array(self.paths[k], self.dtype, self.tokens[k] * self.dtype.itemsize)
+
+    def unpack(self, arrays, group: list[int]) -> list[np.ndarray]:
+        """Each instance of PACKING_CACHES' arrays as its documents' (file, start, end) rows."""
+        documents, offsets, order = (a.astype(np.int64) for a in arrays)
+        documents = documents.reshape(-1, 2)
+        first = np.cumsum([0] + [self.tokens[k] for k in group])[:-1]
+        at = np.searchsorted(first, documents[:, 0], side="right") - 1  # the file each document is in
+        spans = np.stack([np.asarray(group)[at], documents[:, 0] - first[at], documents[:, 1] - first[at]], 1)
+        return [spans[order[a:b]] for a, b in offsets.reshape(-1, 2)]
+
+    def sound(self, arrays, group: list[int]) -> bool:
+        """Whether cached arrays pack this group: every document 1..seq_len tokens long, longest first, within
+        one of its files, none starting where another does; every one in one instance, of at most seq_len
+        tokens. A damaged or foreign file fails this (a cache of other files needs their paths and sizes, the
+        hash in its name)."""
+        if len(arrays[0]) != 2 * len(arrays[2]) or len(arrays[1]) % 2 or not len(arrays[1]):
+            return False
+        documents, offsets = (a.astype(np.int64).reshape(-1, 2) for a in arrays[:2])
+        order = arrays[2].astype(np.int64)
+        first = np.cumsum([0] + [self.tokens[k] for k in group])
+        at = np.clip(np.searchsorted(first, documents[:, 0], side="right") - 1, 0, len(group) - 1)
+        lengths = documents[:, 1] - documents[:, 0]
+        if not (
+            (documents[:, 0] >= 0).all()
+            and len(np.unique(documents[:, 0])) == len(documents)
+            and (np.diff(lengths) <= 0).all()
+            and ((lengths >= 1) & (lengths <= self.seq_len)).all()
+            and (documents[:, 1] <= first[at + 1]).all()
+            and offsets[0, 0] == 0
+            and (offsets[1:, 0] == offsets[:-1, 1]).all()
+            and (offsets[:, 1] > offsets[:, 0]).all()
+            and offsets[-1, 1] == len(order)
+            and np.array_equal(np.sort(order), np.arange(len(order)))
+        ):
+            return False
+        return bool((np.add.reduceat(lengths[order], offsets[:, 0]) <= self.seq_len).all())
 
     def __len__(self) -> int:
         return len(self.spans)
 
+    def instances(self, ids) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(token ids [seq_len], label mask [seq_len], document lengths) of each instance: one read a document,
+        the reads of URLs all sent at once."""
+        size = self.dtype.itemsize
+        ranges = [(self.paths[k], start * size, end * size) for i in ids for k, start, end in self.spans[i]]
+        values = read_ranges(ranges)
+        return [self.padded([np.frombuffer(next(values), self.dtype) for _ in self.spans[i]]) for i in ids]
+
     def instance(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(token ids [seq_len], label mask [seq_len], document lengths) of instance i."""
-        read = lambda k, start, end: np.fromfile(  # one read a document: no file stays open (TokenLoader)
-            self.paths[k], self.dtype, count=end - start, offset=start * self.dtype.itemsize
-        )
-        tokens = np.concatenate([read(*span) for span in self.spans[i]])
+        return self.instances([i])[0]
+
+    def padded(self, documents: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tokens = np.concatenate(documents)
         mask = np.arange(self.seq_len) < len(tokens)
         tokens = np.pad(tokens.astype(np.int64), (0, self.seq_len - len(tokens)), constant_values=self.pad_id)
         ends = np.flatnonzero(tokens == self.eos_id) + 1
@@ -633,17 +982,19 @@ class PackedLoader(GlobalOrder):
         dtype=np.uint32,
         vocab_size: int | None = None,
         work_dir: str | None = None,
+        share: tuple[int, int] = (0, 1),
     ):
         paths = [os.fspath(p) for p in paths]
         if not paths:
             raise DataError("no token files given (an empty mix or path list)")
         self.paths = paths if file_seed is None else permuted_files(paths, file_seed)
         self.seq_len, self.vocab_size, self.dtype = seq_len, vocab_size, np.dtype(dtype)
-        self.packed = PackedInstances(self.paths, seq_len, eos_id, pad_id, dtype, group_size)
+        self.packed = PackedInstances(self.paths, seq_len, eos_id, pad_id, dtype, group_size, work_dir, share)
         what = f"packed instances of {seq_len} tokens"
         super().__init__(len(self.packed), global_batch_size, seed, epoch, work_dir, what)
         packing = dict(group_size=group_size, file_seed=file_seed, eos_id=eos_id, pad_id=pad_id)
-        self.fingerprint = self.order_fingerprint(self.paths, seq_len, self.dtype) | {"packing": packing}
+        fingerprint = self.order_fingerprint(self.paths, self.packed.tokens, seq_len, self.dtype)
+        self.fingerprint = fingerprint | {"packing": packing}
 
     def global_batch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._rows(self.batch_indices(i))
@@ -652,7 +1003,7 @@ class PackedLoader(GlobalOrder):
         return self._rows(self.batch_indices(i)[self.row_ids(rank, world)])
 
     def _rows(self, instances: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        tokens, masks, lengths = zip(*(self.packed.instance(int(j)) for j in instances))
+        tokens, masks, lengths = zip(*self.packed.instances([int(j) for j in instances]))
         tokens = np.stack(tokens).astype(np.uint32)
         if self.vocab_size is not None and (tokens * np.stack(masks)).max() >= self.vocab_size:
             r, t = np.argwhere((tokens >= self.vocab_size) & np.stack(masks))[0]
@@ -1348,14 +1699,12 @@ def prepare_tiny(out_dir: str = TINY_DIR) -> dict:
 def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
     """Scan every token of every file, raising at the first id >= vocab_size; returns the token count."""
     dtype = np.dtype(dtype or dtype_for_vocab(vocab_size))
-    total = 0
-    for path in paths:
-        n = _num_tokens(path, dtype)
-        tokens = np.memmap(path, dtype, "r") if n else np.empty(0, dtype)
+    counts = token_files(paths, dtype)[0]
+    for path, n in zip(paths, counts):
+        tokens = load_array(path, dtype, n * dtype.itemsize)
         for start in range(0, n, 2**26):
             _check_ids(tokens[start : start + 2**26], vocab_size, path, start)
-        total += n
-    return total
+    return sum(counts)
 
 
 def inspect(
@@ -1368,8 +1717,7 @@ def inspect(
     """Print tokens and instances per file, the dtype, and the decoded start of the first instance."""
     tok = get_tokenizer(tokenizer, tokenizer_path)
     dtype = np.dtype(dtype or dtype_for_vocab(tok.vocab_size))
-    for path in paths:
-        n = _num_tokens(path, dtype)
+    for path, n in zip(paths, token_files(paths, dtype)[0]):
         print(f"{path}: {n:,} tokens, {n // seq_len:,} instances of {seq_len}")
     loader = TokenLoader(paths, seq_len, 1, dtype=dtype, vocab_size=tok.vocab_size)
     print(f"total: {loader.num_instances:,} instances of {seq_len} tokens in {len(paths)} files of {dtype}")

@@ -1,0 +1,429 @@
+"""Token data by URL: the loaders read gs:// and http(s):// files by byte range from real servers started here
+on 127.0.0.1 (a Cloud Storage emulator from PyPI; Python's HTTP server, taught Range requests, 503s and 403s),
+and their batches are the ones numpy and OLMo-core read from the local copies of the same files."""
+
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import data
+
+ROOT = os.path.dirname(os.path.abspath(data.__file__))
+SEQ, SEED, VOCAB, EOS, PAD = 64, 34521, 1000, 1, 0
+DTYPE = np.uint16
+
+
+class FileServer(http.server.ThreadingHTTPServer):
+    """The files under `root` over HTTP, Range requests honoured (206, the bytes asked for); every
+    `fail_every`-th request (the first too) answered 503, and the paths in `refuse` 403. `log`: each
+    (method, path, Range header, status)."""
+
+    def __init__(self, root, fail_every: int = 0, refuse=()):
+        super().__init__(("127.0.0.1", 0), FileHandler)
+        self.root, self.fail_every, self.refuse = str(root), fail_every, set(refuse)
+        self.lock, self.log = threading.Lock(), []
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def answered(self, status: int) -> list:
+        return [entry for entry in self.log if entry[3] == status]
+
+
+class FileHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # connections kept open, as curl (TensorStore's client) keeps them
+
+    def log_message(self, *args):  # the log is FileServer.log, not stderr
+        pass
+
+    def do_HEAD(self):
+        self.answer(send_body=False)
+
+    def do_GET(self):
+        self.answer(send_body=True)
+
+    def answer(self, send_body: bool):
+        server, path, asked = self.server, self.path.split("?")[0], self.headers.get("Range")
+        file = os.path.join(server.root, path.lstrip("/"))
+        with server.lock:
+            failing = server.fail_every and len(server.log) % server.fail_every == 0
+            server.log.append(None)  # this request's place, filled in below
+            at = len(server.log) - 1
+        status, body, headers = 200, b"", {}
+        if failing or path in server.refuse or not os.path.isfile(file):
+            status = 503 if failing else 403 if path in server.refuse else 404
+        else:
+            with open(file, "rb") as f:
+                body = f.read()
+            if asked:
+                start, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", asked).groups())
+                status, headers = (
+                    206,
+                    {"Content-Range": f"bytes {start}-{min(last, len(body) - 1)}/{len(body)}"},
+                )
+                body = body[start : last + 1]
+        server.log[at] = (self.command, path, asked, status)
+        self.send_response(status)
+        for name, value in {"Content-Length": str(len(body)), **headers}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+
+@pytest.fixture
+def http_server():
+    """Start FileServers (stopped after the test): http_server(root, fail=..., refuse=...)."""
+    servers = []
+
+    def start(root, **kw) -> FileServer:
+        servers.append(FileServer(root, **kw))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def at_url(request, http_server):
+    """at_url(scheme, folder): the URL the files under a local folder are served at, over HTTP or uploaded to a
+    fresh bucket of the GCS emulator."""
+
+    def serve(scheme: str, folder) -> str:
+        if scheme == "http":
+            return http_server(folder).url
+        bucket = request.getfixturevalue("gcs_emulator").create_bucket(f"data-{uuid.uuid4().hex[:12]}")
+        for parent, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(parent, name)
+                bucket.blob(os.path.relpath(path, folder)).upload_from_filename(path)
+        return f"gs://{bucket.name}"
+
+    return serve
+
+
+def write_documents(folder, tokens=(1000, 37, 513, 2048, 300, 640), seed=0) -> list[str]:
+    """Token files of EOS-terminated documents of 1 to 200 tokens, each file about `tokens` long."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for k, n in enumerate(tokens):
+        lengths = rng.choice([1, 5, 16, 31, 63, 64, 65, 128, 200], n // 40 + 1)
+        documents = [np.append(rng.integers(2, VOCAB, length - 1), EOS) for length in lengths]
+        paths.append(os.path.join(folder, f"{k:03d}.npy"))
+        np.concatenate(documents).astype(DTYPE).tofile(paths[-1])
+    return paths
+
+
+def numpy_instances(paths) -> np.ndarray:
+    """Instances cut with plain numpy: each file on its own, SEQ tokens each, remainders dropped."""
+    tokens = [np.fromfile(p, DTYPE) for p in paths]
+    return np.array([t[k * SEQ : (k + 1) * SEQ] for t in tokens for k in range(len(t) // SEQ)], np.uint32)
+
+
+def numpy_documents(paths) -> list[np.ndarray]:
+    """Every document of the files in order (to each EOS, kept), its first SEQ tokens, with plain numpy."""
+    tokens = [np.fromfile(p, DTYPE) for p in paths]
+    return [d[:SEQ] for t in tokens for d in np.split(t, np.flatnonzero(t == EOS) + 1) if len(d)]
+
+
+@pytest.mark.parametrize("scheme", ["http", "gs"])
+def test_token_loader_at_a_url_gives_numpy_s_batches_of_the_local_files(tmp_path, scheme, at_url):
+    """Stage 1's loader over HTTP (files named under --data_root) and gs:// (a glob, listed): every batch is
+    numpy's, bit for bit, and so is its batch_hash; its fingerprint is the local files', so a run resumes
+    across the two copies."""
+    paths = write_documents(tmp_path / "mix")
+    root = at_url(scheme, tmp_path / "mix")
+    names = [os.path.basename(p) for p in paths]
+    spec, data_root = (f"{root}/*.npy", "") if scheme == "gs" else (",".join(names), root)
+    files = data.resolve(spec, data_root)[0]
+    assert files == [f"{root}/{name}" for name in names]
+    loader = data.TokenLoader(files, SEQ, 8, seed=SEED, dtype=DTYPE, vocab_size=VOCAB)
+    assert loader.fingerprint == data.TokenLoader(paths, SEQ, 8, seed=SEED, dtype=DTYPE).fingerprint
+    truth = numpy_instances(paths)
+    for i in range(loader.num_batches):
+        rows = truth[loader.batch_indices(i)]
+        np.testing.assert_array_equal(loader.global_batch(i), rows)
+        mine = loader.row_ids(1, 2)
+        assert data.batch_hash(loader.local_batch(i, 1, 2), mine) == data.batch_hash(rows[mine], mine)
+
+
+def test_over_http_sizes_are_heads_and_reads_are_ranges_never_whole_files(tmp_path, http_server):
+    paths = write_documents(tmp_path / "mix")
+    server = http_server(tmp_path / "mix")
+    loader = data.TokenLoader(
+        [f"{server.url}/{os.path.basename(p)}" for p in paths], SEQ, 8, seed=SEED, dtype=DTYPE
+    )
+    for i in range(loader.num_batches):
+        loader.global_batch(i)
+    heads = [entry for entry in server.log if entry[0] == "HEAD"]
+    gets = [entry for entry in server.log if entry[0] == "GET"]
+    assert len(heads) == len(paths) and len(gets) == len(paths) + loader.num_batches * 8
+    lengths = [
+        int(b) - int(a) + 1 for a, b in (re.fullmatch(r"bytes=(\d+)-(\d+)", g[2]).groups() for g in gets)
+    ]
+    heads = [min(os.path.getsize(p), data.HEAD_BYTES) for p in paths]  # each file's head, checked first
+    assert sorted(lengths) == sorted(
+        heads + [SEQ * 2] * (loader.num_batches * 8)
+    )  # then one read an instance
+
+
+@pytest.mark.parametrize("scheme", ["http", "gs"])
+def test_held_out_sets_from_a_mix_file_at_a_url_are_numpy_s_documents(tmp_path, scheme, at_url):
+    """--eval_data as a mix file at a URL, its lines under --data_root at a URL (as OLMo-core resolves
+    `{TOKENIZER}`): each set's padded rows and label masks are the documents numpy finds in the local files."""
+    folder, sets = tmp_path / "root", {"c4": [0, 1], "books": [2]}
+    tree = "eval/allenai/dolma3-tokenizer"  # {TOKENIZER} of a mix other than OLMo-core's ppl ones
+    paths = {
+        label: write_documents(folder / tree / label, seed=len(label))[: len(ks)]
+        for label, ks in sets.items()
+    }
+    lines = [
+        f"{label},eval/{{TOKENIZER}}/{label}/{os.path.basename(p)}" for label in sets for p in paths[label]
+    ]
+    (folder / "ppl.txt").write_text("# held-out sets\n" + "\n".join(lines) + "\n")
+    root = at_url(scheme, folder)
+    held_out = data.eval_sets(f"{root}/ppl.txt", root)
+    assert held_out == {
+        label: [f"{root}/{tree}/{label}/{os.path.basename(p)}" for p in paths[label]] for label in sets
+    }
+    for label, files in held_out.items():
+        data.check_tokens(files, VOCAB, DTYPE)
+        held = data.PaddedEvalSet(label, files, SEQ, EOS, PAD, DTYPE)
+        documents = numpy_documents(paths[label])
+        tokens, mask = held.rows(np.arange(len(held) + 2), stop=len(held))  # two empty rows past the end
+        assert len(held) == len(documents)
+        for row, document in enumerate(documents):
+            np.testing.assert_array_equal(tokens[row], np.pad(document, (0, SEQ - len(document))))
+            np.testing.assert_array_equal(mask[row], np.arange(SEQ) < len(document))
+        assert not mask[-2:].any()
+
+
+def olmo_core_packed_batches(paths, work_dir, batch: int, rank: int, world: int):
+    """Stage 3's batches as OLMo-core's own loader reads the local files (its script's settings)."""
+    from olmo_core.data import DataCollator, NumpyFSLDataLoader, NumpyPackedFSLDatasetConfig, TokenizerConfig
+
+    tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD)
+    config = NumpyPackedFSLDatasetConfig(
+        paths=paths,
+        tokenizer=tokenizer,
+        sequence_length=SEQ,
+        generate_doc_lengths=True,
+        source_group_size=2,
+        source_permutation_seed=123,
+        work_dir=str(work_dir),
+    )
+    dataset = config.build()
+    dataset.prepare()
+    loader = NumpyFSLDataLoader(
+        dataset,
+        collator=DataCollator(pad_token_id=PAD),
+        work_dir=str(work_dir),
+        global_batch_size=batch * SEQ,
+        seed=SEED,
+        dp_world_size=world,
+        dp_rank=rank,
+    )
+    loader.reshuffle(epoch=1)
+    return list(loader)
+
+
+@pytest.mark.parametrize("scheme", ["http", "gs"])
+def test_packed_loader_at_a_url_is_olmo_core_s_on_the_local_files_and_scans_once(
+    tmp_path, scheme, at_url, monkeypatch
+):
+    """Stage 3's packed loader over a URL, its work directory on gs:// (or local beside HTTP data): each rank's
+    batches, label masks and documents are OLMo-core's from the local files; a second start reads the
+    document index from the cache and scans no token."""
+    paths = write_documents(tmp_path / "mix", tokens=(1000, 37, 513, 2048, 300, 640, 700, 90))
+    root = at_url(scheme, tmp_path / "mix")
+    work = f"{root}/run/data" if scheme == "gs" else str(tmp_path / "run" / "data")
+    urls = [f"{root}/{os.path.basename(p)}" for p in paths]
+    packing = dict(eos_id=EOS, pad_id=PAD, group_size=2, file_seed=123, seed=SEED, dtype=DTYPE, work_dir=work)
+    ours = data.PackedLoader(urls, SEQ, 4, **packing)
+    reference = olmo_core_packed_batches(paths, tmp_path / "olmo-core", 4, rank=1, world=2)
+    assert ours.num_batches == len(reference) > 10
+
+    def compare(loader):
+        for i, want in enumerate(reference):
+            tokens, mask, documents = loader.local_batch(i, 1, 2)
+            np.testing.assert_array_equal(tokens, want["input_ids"].numpy())
+            np.testing.assert_array_equal(mask, want["label_mask"].numpy())
+            lengths = [n[n > 0] for n in want["doc_lens"].numpy()]
+            np.testing.assert_array_equal(documents, [np.repeat(np.arange(len(n)), n) for n in lengths])
+
+    compare(ours)
+
+    def no_scan(*args):
+        raise AssertionError("a token file was scanned again")
+
+    monkeypatch.setattr(data, "document_spans", no_scan)
+    compare(data.PackedLoader(urls, SEQ, 4, **packing))
+
+
+def test_the_packing_cache_is_olmo_core_s_file_for_file_and_either_reads_the_other_s(tmp_path, monkeypatch):
+    """Our document index cache has OLMo-core's names and bytes (NumpyPackedFSLDataset's work_dir), so a work
+    directory OLMo-core filled is read without a scan."""
+    from olmo_core.data import NumpyPackedFSLDataset
+
+    paths = write_documents(tmp_path / "mix")
+    ref = NumpyPackedFSLDataset(
+        *paths,
+        sequence_length=SEQ,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        vocab_size=VOCAB,
+        dtype=DTYPE,
+        generate_doc_lengths=True,
+        source_group_size=2,
+    )
+    ref.work_dir = tmp_path / "olmo-core"
+    ref.prepare()
+    data.PackedInstances(paths, SEQ, EOS, PAD, DTYPE, 2, work_dir=str(tmp_path / "ours"))
+    theirs, ours = (sorted(os.listdir(tmp_path / w / "dataset-common")) for w in ("olmo-core", "ours"))
+    assert ours == theirs and len(ours) == 3 * 3
+    for name in ours:
+        assert (tmp_path / "ours" / "dataset-common" / name).read_bytes() == (
+            tmp_path / "olmo-core" / "dataset-common" / name
+        ).read_bytes()
+    monkeypatch.setattr(data, "document_spans", lambda *args: pytest.fail("a token file was scanned"))
+    packed = data.PackedInstances(paths, SEQ, EOS, PAD, DTYPE, 2, work_dir=str(tmp_path / "olmo-core"))
+    assert len(packed) == len(ref)
+
+
+def test_a_server_failing_a_quarter_of_requests_with_503_gives_the_same_batches(tmp_path, http_server):
+    """Timeouts and 5xx are retried with backoff (HEADs by us, reads by TensorStore): the batches and held-out
+    rows are numpy's though a quarter of all requests fail."""
+    paths = write_documents(tmp_path / "mix")
+    server = http_server(tmp_path / "mix", fail_every=4)
+    urls = [f"{server.url}/{os.path.basename(p)}" for p in paths]
+    loader = data.TokenLoader(urls, SEQ, 8, seed=SEED, dtype=DTYPE, vocab_size=VOCAB)
+    truth = numpy_instances(paths)
+    for i in range(loader.num_batches):
+        np.testing.assert_array_equal(loader.global_batch(i), truth[loader.batch_indices(i)])
+    held = data.PaddedEvalSet("held-out", urls[:2], SEQ, EOS, PAD, DTYPE)
+    tokens, _ = held.rows(np.arange(len(held)), stop=len(held))
+    for row, document in enumerate(numpy_documents(paths[:2])):
+        np.testing.assert_array_equal(tokens[row, : len(document)], document)
+    failed = {method for method, *_ in server.answered(503)}
+    assert failed == {"HEAD", "GET"}, server.log
+
+
+def test_a_missing_or_refused_url_is_one_line_naming_it(tmp_path, http_server, gcs_emulator):
+    """A 404 (HTTP or gs://) and a 403 stop at the start, in one line naming the URL: the loaders, a mix file,
+    --data_root's held-out sets."""
+    write_documents(tmp_path / "mix")
+    server = http_server(tmp_path / "mix", refuse={"/001.npy"})
+    bucket = gcs_emulator.create_bucket(f"data-{uuid.uuid4().hex[:12]}").name
+    cases = [
+        (
+            lambda: data.TokenLoader(
+                [f"{server.url}/000.npy", f"{server.url}/nope.npy"], SEQ, 1, dtype=DTYPE
+            ),
+            f"token file {server.url}/nope.npy does not exist",
+        ),
+        (
+            lambda: data.TokenLoader([f"{server.url}/001.npy"], SEQ, 1, dtype=DTYPE),
+            f"{server.url}/001.npy: HTTP 403 Forbidden",
+        ),
+        (
+            lambda: data.TokenLoader([f"gs://{bucket}/nope.npy"], SEQ, 1, dtype=DTYPE),
+            f"token file gs://{bucket}/nope.npy does not exist",
+        ),
+        (lambda: data.resolve(f"{server.url}/mix.txt"), f"mix file {server.url}/mix.txt does not exist"),
+        (
+            lambda: data.eval_sets("c4=nope.npy", server.url),
+            f"--eval_data 'c4=nope.npy' (set c4): token file {server.url}/nope.npy does not exist",
+        ),
+        (
+            lambda: data.TokenLoader(["s3://bucket/x.npy"], SEQ, 1),
+            "s3://bucket/x.npy: expected a local path or gs://",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(data.DataError) as e:
+            make()
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_train_py_stops_before_step_1_on_a_missing_url(tmp_path, http_server, tiny_data):
+    server = http_server(tmp_path)
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--tokenizer", "tiny", "--data_root", str(tiny_data)]
+    out = subprocess.run(
+        [sys.executable, "train.py", *args, "--data", f"{server.url}/nope.npy", "--run_dir", str(run)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        out.returncode == 1 and out.stderr == f"error: token file {server.url}/nope.npy does not exist\n"
+    ), out.stderr[-3000:]
+    assert not run.exists()
+
+
+def test_damaged_caches_on_gs_are_rebuilt_never_trusted(tmp_path, at_url, gcs_emulator, capsys):
+    """The permutation and the document index in a gs:// work directory: built once, then a damaged copy (the
+    wrong bytes, or cut short) is found and rebuilt, and the batches stay numpy's and OLMo-core's."""
+    paths = write_documents(tmp_path / "mix")
+    root = at_url("gs", tmp_path / "mix")
+    urls, work = [f"{root}/{os.path.basename(p)}" for p in paths], f"{root}/run/data"
+    bucket = gcs_emulator.bucket(root[5:])
+    permutation = data.global_indices(len(numpy_instances(paths)), SEED, 1)  # checked against OLMo-core's
+    np.testing.assert_array_equal(
+        data.TokenLoader(urls, SEQ, 8, seed=SEED, dtype=DTYPE, work_dir=work).indices, permutation
+    )
+    [name] = [b.name for b in bucket.list_blobs(prefix="run/data/global_indices")]
+    for damaged in (
+        permutation.tobytes()[:8] + b"\xff" * 4 + permutation.tobytes()[12:],
+        permutation.tobytes()[:-4],
+    ):
+        bucket.blob(name).upload_from_string(damaged)
+        loader = data.TokenLoader(urls, SEQ, 8, seed=SEED, dtype=DTYPE, work_dir=work)
+        np.testing.assert_array_equal(loader.indices, permutation)
+        assert "rebuilding the damaged permutation cache" in capsys.readouterr().out
+        assert bucket.blob(name).download_as_bytes() == permutation.tobytes()
+    packed = data.PackedInstances(urls, SEQ, EOS, PAD, DTYPE, 3, work_dir=work)
+    want = [packed.instance(i) for i in range(len(packed))]
+    caches = sorted(b.name for b in bucket.list_blobs(prefix="run/data/dataset-common/"))
+    assert len(caches) == 2 * 3
+    for damage in (lambda b: b[:-8], lambda b: b[8:] + b[:8], lambda b: np.zeros(len(b), np.uint8).tobytes()):
+        for cache in [c for c in caches if c.endswith(caches[0][-68:])]:  # one group's three files (its hash)
+            blob = bucket.blob(cache)
+            blob.upload_from_string(damage(blob.download_as_bytes()))
+        packed = data.PackedInstances(urls, SEQ, EOS, PAD, DTYPE, 3, work_dir=work)
+        assert capsys.readouterr().out.count("rebuilding the damaged packing cache") == 1
+        for i, (tokens, _, lengths) in enumerate(want):
+            got = packed.instance(i)
+            np.testing.assert_array_equal(got[0], tokens), np.testing.assert_array_equal(got[2], lengths)
+
+
+def test_ai2_s_mixes_under_olmo_data_org_resolve_as_olmo_core_resolves_them():
+    """--data_root https://olmo-data.org: a mix file's lines are OLMo-core's DataMix.build URLs (no request
+    is made here: a mix is read, not its files)."""
+    import olmo_core
+    from olmo_core.data import DataMix, TokenizerConfig
+
+    mixes = os.path.join(os.path.dirname(olmo_core.__file__), "data", "mixes")
+    tokenizer = TokenizerConfig.dolma2().identifier
+    for mix in (DataMix.OLMo_mix_0625_official, DataMix.OLMo_longmino_mix_0625):
+        want, _ = mix.build("https://olmo-data.org", tokenizer)
+        assert data.read_mix(os.path.join(mixes, f"{mix.value}.txt"), "https://olmo-data.org") == want
+    want, labels = DataMix.v3_small_ppl_validation.build("https://olmo-data.org/", tokenizer)
+    ppl = os.path.join(mixes, "v3-small-ppl-validation.txt")
+    lines = data.mix_lines(
+        ppl, "https://olmo-data.org/", data.PPL_MIX_TOKENIZER_ID
+    )  # as eval_mix_sets reads it
+    assert [(label, url) for _, label, url in lines] == list(zip(labels, want))
