@@ -1019,17 +1019,22 @@ def read_start(run: Run, model_like):
     path, kind, step = init_source(cfg)
     tally, adam = ckpt.Tally(), None
     model_sh = shard.shardings(model_like, run.mesh)
-    if kind == "run":
-        step, (model, adam) = read_run_start(run, path, step, model_like)
-        path = f"{path}@{step}"
-    elif kind == "olmo-core":
-        model, adam = ckpt.load_olmo_core(path, run.model_cfg, cfg.init_weights_only, model_sh, tally)
-    else:
-        model = ckpt.load_hf(path, shardings=model_sh, tally=tally)
+    try:
+        if kind == "run":
+            step, (model, adam) = read_run_start(run, path, step, model_like)
+            path = f"{path}@{step}"
+        elif kind == "olmo-core":
+            model, adam = ckpt.load_olmo_core(path, run.model_cfg, cfg.init_weights_only, model_sh, tally)
+        else:
+            model = ckpt.load_hf(path, shardings=model_sh, tally=tally)
+    except (OSError, ValueError, ckpt.CorruptCheckpoint) as e:  # bytes check_start did not read: a stop
+        raise ckpt.CheckpointError(f"--init_from {cfg.init_from}: {e}") from None
     adam = None if cfg.init_weights_only else adam
-    read = f"; this process {tally} of it" if tally.whole else ""
     carried = "weights only: Adam from zero" if adam is None else "weights, Adam's moments and count"
-    say(f"starting from {path} ({kind}: {carried}){read}")
+    if tally.whole:  # every process says what it read: its own shards
+        print(f"starting from {path} ({kind}: {carried}); this process {tally} of it", flush=True)
+    else:
+        say(f"starting from {path} ({kind}: {carried})")
     return with_statics(model, model_like), adam
 
 

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import FULL, make_hf
-from test_olmo_core_ckpt import restore
-from test_stages import SMALL, arrays, small_recipe, stage1_run  # noqa: F401 (a fixture)
+from test_stages import SMALL, arrays, on_tiny, small_recipe, stage1_run, started  # noqa: F401 (a fixture)
 
 import ckpt
 import data
@@ -149,17 +148,22 @@ def test_stage3_presets_are_the_scripts():
     assert big.lr_horizon == -(-100_000_000_000 // (128 * 65_536))
 
 
-def test_a_stage2_run_goes_on_into_stage3_with_yarn_and_the_longer_context(small_recipe, tmp_path):  # noqa: F811
-    """`ckpt.py next-stage` from a stage-2 run into a stage-3 recipe: the same weights and Adam state, now a
-    model with YaRN on its full layers and the stage's context, which the stage-3 run restores."""
+def test_a_stage2_run_goes_on_into_stage3_with_yarn_and_the_longer_context(
+    small_recipe,  # noqa: F811
+    tiny_data,
+    tmp_path,
+    monkeypatch,
+):
+    """`train.py --preset 7b-long-context --init_from STAGE2_RUN`: the stage-3 run starts from the same weights
+    and Adam state, now a model with YaRN on its full layers and the stage's context."""
     stage1, _ = small_recipe
     stage3 = dataclasses.replace(train.PRESETS["7b-long-context"], model="small", seq_len=1024, skip_window=8)
     model, opt = stage1_run(tmp_path / "stage2", stage1, seed=0)
-    ckpt.next_stage(tmp_path / "stage2", tmp_path / "stage3", stage3)
-    step, got, state, _ = restore(tmp_path / "stage3", stage3)
+    cfg = on_tiny(stage3, tiny_data, tmp_path / "stage3", init_from=str(tmp_path / "stage2"))
+    step, got, new, _ = started(cfg, monkeypatch)
     assert step == 0 and got.cfg == train.model_config(stage3) and got.cfg.rope_full.yarn.factor == 8.0
     assert got.cfg.rope_full.yarn.original_max_position == SMALL.max_seq_len
-    for want, have in [(model, got), (opt.mu, state["opt"].mu)]:
+    for want, have in [(model, got), (opt.mu, new.mu)]:
         for a, b in zip(arrays(want), arrays(have), strict=True):
             np.testing.assert_array_equal(a, b)
 

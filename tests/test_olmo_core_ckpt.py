@@ -1,25 +1,30 @@
-"""ckpt.py from-olmo-core against OLMo-core itself: a small OLMo 3 trained a few steps on the CPU by OLMo-core's
-SkipStepAdamW (one step skipped as a spike) and saved by OLMo-core's checkpointer (real DCP files), imported:
-weights and both Adam moments bit for bit, Adam's count as OLMo-core kept it, the same logits as OLMo-core's
-model, and a run directory train.py restores. Bad checkpoints are refused in one line, nothing written."""
+"""train.py --init_from an OLMo-core step directory, against OLMo-core itself: a small OLMo 3 trained a few steps
+on the CPU by OLMo-core's SkipStepAdamW (one step skipped as a spike) and saved by OLMo-core's checkpointer
+(real DCP files), read where the run starts, each device's half from the chunks that hold it: weights and
+both Adam moments bit for bit, Adam's count as OLMo-core kept it, the same logits as OLMo-core's model. Bad
+checkpoints are refused in one line before anything is written."""
 
 import dataclasses
+import io
 import json
+import os
+import pickle
+import re
 import shutil
-import subprocess
-import sys
+import zipfile
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from olmo_core_runs import SPIKE, STEPS, VOCAB, olmo_core_config, olmo_core_rank, olmo_core_train
 from test_model import olmo_core_fields
+from test_stages import started
 
 import ckpt
 import olmo3
-import shard
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,10 +65,25 @@ def one_process_step(tmp_path_factory):
 
 
 @pytest.fixture
-def recipe(monkeypatch):
-    """train.py's tiny recipe on our_config()'s model, under a preset name of its own."""
+def recipe(monkeypatch, tmp_path):
+    """train.py's tiny recipe on our_config()'s model, a model of its own, for a step on token files of its
+    vocabulary, FSDP over two devices (each holds half of every tensor), in tmp_path/run."""
     monkeypatch.setitem(olmo3.MODELS, "olmo-core-14m", our_config())
-    return dataclasses.replace(train.PRESETS["tiny"], preset="olmo-core-14m", skip_window=8)
+    tokens = tmp_path / "tokens.npy"
+    np.random.default_rng(0).integers(0, VOCAB, 4096, dtype=np.uint8).tofile(tokens)
+    return dataclasses.replace(
+        train.PRESETS["tiny"],
+        model="olmo-core-14m",
+        skip_window=8,
+        data=str(tokens),
+        seq_len=16,
+        global_batch=2,
+        steps=1,
+        mesh="fsdp=2",
+        run_dir=str(tmp_path / "run"),
+        eval_every=10**6,
+        samples=0,
+    )
 
 
 def olmo_core_layout(tree, cfg) -> dict[str, np.ndarray]:
@@ -75,39 +95,24 @@ def olmo_core_layout(tree, cfg) -> dict[str, np.ndarray]:
     return out
 
 
-def restore(run_dir, recipe):
-    """The run directory's newest checkpoint restored as train.py's restore_or_init restores it: into the
-    recipe's abstract state on a mesh, refused by check_resume if it were of another model."""
-    cfg = train.model_config(recipe)
-    mesh = shard.make_mesh("fsdp=2")
-    model_like, opt_like = train.abstract_state(recipe, mesh, cfg, olmo3.Compute())
-    key_like = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=shard.replicated(mesh))
-    expected = {"model": ckpt.config_to_hf(cfg), "config": dataclasses.asdict(recipe)}
-    check = lambda meta: ckpt.check_resume(meta, expected, train.RECIPE_FIELDS, False, str(run_dir))
-    checkpoints = ckpt.Checkpoints(run_dir, read_only=True)
-    try:
-        return checkpoints.restore_latest(model_like, {"opt": opt_like, "key": key_like}, check=check)
-    finally:
-        checkpoints.close()
-
-
 @pytest.mark.slow
-def test_olmo_core_checkpoint_imports_bit_for_bit_and_restores_in_train(olmo_core_step, recipe, tmp_path):
+def test_olmo_core_checkpoint_starts_a_run_bit_for_bit(olmo_core_step, recipe, monkeypatch, capsys):
     import torch
 
     step_dir, held, skipped = olmo_core_step
     chunks = {len(t.chunks) for t in ckpt.read_dcp_metadata(step_dir).values() if t.shape}
     assert chunks == {2}  # FSDP's shards, placed at their offsets
-    count = ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
-    step, model, state, _ = restore(tmp_path / "run", recipe)
-    opt = state["opt"]
-    assert step == 0 and isinstance(opt, train.OptState)
+    start, model, opt, _ = started(dataclasses.replace(recipe, init_from=str(step_dir)), monkeypatch)
+    said = f"starting from {step_dir} (olmo-core: weights, Adam's moments and count); this process read"
+    assert said in capsys.readouterr().out
+    assert start == 0 and isinstance(opt, train.OptState)
+    assert {len(w.sharding.device_set) for w in jax.tree.leaves(eqx.filter(model, eqx.is_array))} == {2}
     # Adam's count is what OLMo-core's optimizer kept: the spike was skipped and did not count.
     assert SPIKE in skipped and len(skipped) < STEPS - 1  # the spike, and no more than one other
     assert {float(h["step"]) for h in held.values()} == {STEPS - len(skipped)}
-    assert count == float(opt.count) == STEPS - len(skipped)
+    assert float(opt.count) == STEPS - len(skipped)
     assert int(opt.seen) == 0 and not np.asarray(opt.losses).any()  # the skip window starts empty
-    cfg = olmo3.MODELS[recipe.preset]
+    cfg = olmo3.MODELS[recipe.model]
     for name, ours in [("weight", model), ("exp_avg", opt.mu), ("exp_avg_sq", opt.nu)]:
         for fqn, got in olmo_core_layout(ours, cfg).items():
             np.testing.assert_array_equal(got, held[fqn][name].numpy(), err_msg=f"{name} of {fqn}")
@@ -121,61 +126,134 @@ def test_olmo_core_checkpoint_imports_bit_for_bit_and_restores_in_train(olmo_cor
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def ckpt_cli(*args):
-    return subprocess.run(
-        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 def copy_of(step_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "step"
     shutil.copytree(step_dir, copy)
     return copy
 
 
-def refused(step_dir, run_dir, *flags) -> str:
-    """ckpt.py from-olmo-core refuses in one line (exit 1) and leaves no run directory."""
-    proc = ckpt_cli("from-olmo-core", step_dir, run_dir, "--preset", "tiny", *flags)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+def refused(capsys, tiny_data, step_dir, run_dir) -> str:
+    """`train.py --preset tiny --init_from STEP_DIR` refuses in one line (exit 2) and leaves no run directory."""
+    argv = ["--preset", "tiny", "--data_root", str(tiny_data), "--init_from", str(step_dir)]
+    assert train.cli([*argv, "--run_dir", str(run_dir)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --init_from {step_dir}: "), lines
     assert not Path(run_dir).exists()
     return lines[0]
 
 
-def test_truncated_distcp_is_named(one_process_step, tmp_path):
+def start_refused(cfg: train.TrainConfig) -> str:
+    """train.main(cfg) refuses its --init_from as bad usage (exit 2 from the command line) in one line, the run
+    directory never made."""
+    with pytest.raises(train.FlagError) as e:
+        train.main(cfg)
+    assert "\n" not in str(e.value) and not Path(cfg.run_dir).exists()
+    return str(e.value)
+
+
+def test_truncated_distcp_is_named(one_process_step, tiny_data, tmp_path, capsys):
     step_dir = copy_of(one_process_step, tmp_path)
     largest = max((step_dir / "model_and_optim").glob("*.distcp"), key=lambda f: f.stat().st_size)
     largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
-    line = refused(step_dir, tmp_path / "run")
+    line = refused(capsys, tiny_data, step_dir, tmp_path / "run")
     assert str(largest) in line and "cut short" in line
 
 
-def test_missing_metadata_is_named(one_process_step, tmp_path):
+def test_missing_metadata_is_named(one_process_step, tiny_data, tmp_path, capsys):
     step_dir = copy_of(one_process_step, tmp_path)
     (step_dir / "model_and_optim" / ".metadata").unlink()
-    line = refused(step_dir, tmp_path / "run")
+    line = refused(capsys, tiny_data, step_dir, tmp_path / "run")
     assert str(step_dir / "model_and_optim" / ".metadata") in line and "not found" in line
 
 
-def test_checkpoint_of_another_model_names_what_differs(one_process_step, tmp_path):
+def test_checkpoint_of_another_model_names_what_differs(one_process_step, tiny_data, tmp_path, capsys):
     # The tiny preset (4 layers of 256) against OLMo-core's 2 layers of 128.
-    line = refused(one_process_step, tmp_path / "run")
-    assert "another model than --preset tiny" in line
-    assert (
-        "n_layers 2 (checkpoint) vs 4 (preset); d_model 128 (checkpoint) vs 256 (preset); vocab rows" in line
-    )
-    assert "model.embeddings.weight [256, 128] (checkpoint) vs [8192, 256] (preset)" in line
+    line = refused(capsys, tiny_data, one_process_step, tmp_path / "run")
+    assert "another model than the run's" in line
+    assert "n_layers 2 (checkpoint) vs 4 (run); d_model 128 (checkpoint) vs 256 (run); vocab rows" in line
+    assert "model.embeddings.weight [256, 128] (checkpoint) vs [8192, 256] (run)" in line
+
+
+class RunsCode:
+    """Pickled, a call of os.system: what a checkpoint's pickle could hold to run code when loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def blob_of_length(pkl: bytes, length: int) -> bytes:
+    """A torch.save-like zip whose data.pkl is `pkl`, padded to `length` bytes, to stand in a chunk's place."""
+
+    def zipped(pad: int) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+            z.writestr("archive/data.pkl", pkl)
+            z.writestr("archive/pad", b"\0" * pad)
+        return out.getvalue()
+
+    blob = zipped(length - len(zipped(0)))
+    assert len(blob) == length
+    return blob
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_run(one_process_step, recipe, tmp_path, capsys):
+    """The .metadata is a pickle: one that would run code is refused in one line before anything is written;
+    one in a chunk's torch.save blob, which only the read of that chunk opens, stops the run in one line
+    (exit 1) with no checkpoint written. The code runs in neither."""
+    marker, step_dir = tmp_path / "ran", copy_of(one_process_step, tmp_path)
+    metadata = step_dir / "model_and_optim" / ".metadata"
+    original = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(RunsCode(marker)))
+    cfg = dataclasses.replace(recipe, init_from=str(step_dir))
+    line = start_refused(cfg)
+    assert line.startswith(f"--init_from {step_dir}: {metadata}: not the metadata of a torch distributed")
+    assert "posix.system has no place in a torch checkpoint" in line
+    metadata.write_bytes(original)
+    _, _, file, start, length = ckpt.read_dcp_metadata(step_dir)["model.embeddings.weight"].chunks[0]
+    with open(file, "r+b") as f:
+        f.seek(start)
+        f.write(blob_of_length(pickle.dumps(RunsCode(marker)), length))
+    argv = [
+        "--preset",
+        "tiny",
+        "--model",
+        "olmo-core-14m",
+        "--data",
+        cfg.data,
+        "--seq_len",
+        "16",
+        "--steps",
+        "1",
+    ]
+    argv += [
+        "--global_batch",
+        "2",
+        "--mesh",
+        "fsdp=2",
+        "--init_from",
+        str(step_dir),
+        "--run_dir",
+        cfg.run_dir,
+    ]
+    assert train.cli(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --init_from {step_dir}: {file}: bytes "), lines
+    assert "posix.system has no place in a torch checkpoint" in lines[0]
+    assert not ckpt.has_checkpoints(cfg.run_dir) and not marker.exists()
 
 
 def test_checkpoint_of_another_width_is_refused(recipe, tmp_path):
     step_dir = tmp_path / "narrow"
     olmo_core_train(step_dir, olmo_core_config(d_model=64), spike=None)
-    with pytest.raises(
-        ValueError,
-        match=r"another model than --preset olmo-core-14m: d_model 64 \(checkpoint\) vs 128 \(preset\); .*embeddings.weight \[256, 64\] \(checkpoint\) vs \[256, 128\]",
-    ):
-        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
-    assert not (tmp_path / "run").exists()
+    line = start_refused(dataclasses.replace(recipe, init_from=str(step_dir)))
+    assert re.search(
+        r"another model than the run's: d_model 64 \(checkpoint\) vs 128 \(run\); .*embeddings.weight "
+        r"\[256, 64\] \(checkpoint\) vs \[256, 128\]",
+        line,
+    ), line
 
 
 def test_config_json_of_other_heads_is_refused(one_process_step, recipe, tmp_path):
@@ -184,11 +262,8 @@ def test_config_json_of_other_heads_is_refused(one_process_step, recipe, tmp_pat
     config = json.loads((step_dir / "config.json").read_text())
     config["model"]["block"]["sequence_mixer"]["n_heads"] = 4
     (step_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        ValueError, match=r"config.json describes another model .*: n_heads 4 \(config.json\) vs 8"
-    ):
-        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
-    assert not (tmp_path / "run").exists()
+    line = start_refused(dataclasses.replace(recipe, init_from=str(step_dir)))
+    assert re.search(r"config.json describes another model .*: n_heads 4 \(config.json\) vs 8", line), line
 
 
 def test_differing_adam_counts_name_the_parameters(recipe, tmp_path):
@@ -197,22 +272,20 @@ def test_differing_adam_counts_name_the_parameters(recipe, tmp_path):
     counts = [float(h["step"]) for h in held.values()]
     most, behind = max(counts), min(counts)  # every parameter but the LM head has the larger count
     assert counts.count(behind) == 1 and most == behind + 1
-    with pytest.raises(
-        ValueError,
-        match=rf"step count is {most:g} for most parameters but {behind:g} for lm_head.w_out.weight;",
-    ):
-        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
-    assert not (tmp_path / "run").exists()
+    line = start_refused(dataclasses.replace(recipe, init_from=str(step_dir)))
+    assert f"step count is {most:g} for most parameters but {behind:g} for lm_head.w_out.weight;" in line
 
 
-def test_weights_without_optimizer_state_need_weights_only(recipe, tmp_path):
-    """A checkpoint saved without its optimizer is refused, unless --weights_only: then Adam starts at zero."""
+def test_weights_without_optimizer_state_need_init_weights_only(recipe, tmp_path, monkeypatch):
+    """A checkpoint saved without its optimizer is refused, unless --init_weights_only: then Adam starts at
+    zero."""
     step_dir = tmp_path / "nooptim"
     held, _ = olmo_core_train(step_dir, olmo_core_config(), spike=None, optim=False)
-    with pytest.raises(ValueError, match="holds no optimizer state .* pass --weights_only"):
-        ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe)
-    assert not (tmp_path / "run").exists()
-    assert ckpt.import_olmo_core(step_dir, tmp_path / "run", recipe, weights_only=True) is None
-    step, model, state, _ = restore(tmp_path / "run", recipe)
-    assert state is None  # train.py then starts Adam from zero (restore_or_init's make_opt)
+    cfg = dataclasses.replace(recipe, init_from=str(step_dir))
+    assert (
+        "holds no optimizer state (no optim.state.* tensors: saved without it?); pass --init_weights_only true"
+        in (start_refused(cfg))
+    )
+    _, model, opt, _ = started(dataclasses.replace(cfg, init_weights_only=True), monkeypatch)
+    assert float(opt.count) == 0 and not any(np.asarray(m).any() for m in jax.tree.leaves(opt.mu))
     np.testing.assert_array_equal(np.asarray(model.embed_tokens), held["embeddings.weight"]["weight"].numpy())

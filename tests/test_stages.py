@@ -1,10 +1,13 @@
-"""From one stage to the next: `ckpt.py next-stage` (a run's weights and Adam state as step 0 of the next
-stage's run), `ckpt.py average` (two runs' weights, as AI2 averaged the 32B's midtraining runs) against numpy,
-and stage 2 itself against OLMo-core's trainer, which loads its own stage-1 checkpoint as its midtraining
-script does and trains on with the stage-2 recipe, scaled down."""
+"""From one stage to the next, in one command: `train.py --init_from` (a run's weights and Adam state carried
+into the next stage's run, read where the run starts; every start it refuses refused before anything is
+written; a start killed part-way started again as if it never was), `ckpt.py average` (two runs' weights, as
+AI2 averaged the 32B's midtraining runs) against numpy, and stage 2 itself against OLMo-core's trainer, which
+loads its own stage-1 checkpoint as its midtraining script does and trains on with the stage-2 recipe, scaled
+down."""
 
 import dataclasses
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_olmo_core_ckpt import restore
 
 import ckpt
 import olmo3
@@ -24,21 +26,29 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL = dataclasses.replace(olmo3.MODELS["tiny"], n_layers=2, layer_types=(olmo3.SLIDING, olmo3.FULL))
 
 
+def on_tiny(cfg: train.TrainConfig, tiny_data, run_dir, **fields) -> train.TrainConfig:
+    """Recipe `cfg` as a run of a few steps on the tiny corpus: what train.py needs to start it here."""
+    run = dict(data="tiny", data_root=str(tiny_data), tokenizer="tiny", tasks="", run_dir=str(run_dir))
+    small = dict(global_batch=8, steps=2, eval_every=10**6, samples=0)
+    return dataclasses.replace(cfg, **run, **small, **fields)
+
+
 @pytest.fixture
-def small_recipe(monkeypatch):
-    """A stage-2 recipe (the 7B's midtraining, scaled down) on SMALL's model, and its stage 1 (the tiny preset)."""
+def small_recipe(monkeypatch, tiny_data, tmp_path):
+    """A stage-2 recipe (the 7B's midtraining, scaled down) on SMALL's model, and its stage 1 (the tiny preset),
+    each runnable on the tiny corpus (stage 2 in tmp_path/stage2)."""
     monkeypatch.setitem(olmo3.MODELS, "small", SMALL)
     stage2 = dataclasses.replace(train.PRESETS["7b-midtrain"], model="small", seq_len=256, skip_window=8)
     stage1 = dataclasses.replace(train.PRESETS["tiny"], preset="small", skip_window=16)
-    return stage1, stage2
+    return stage1, on_tiny(stage2, tiny_data, tmp_path / "stage2", compute=olmo3.Compute(dtype="float32"))
 
 
-def stage1_run(run_dir, cfg, seed: int, steps=(30, 40)):
-    """A run directory as train.py leaves it after stage 1: SMALL's weights and an Adam state with moments,
-    count and a skip-step history (a window of cfg.skip_window) that are all non-zero, saved at `steps`.
-    Returns the model and state of the last."""
+def stage1_run(run_dir, cfg, seed: int, steps=(30, 40), model_cfg=SMALL):
+    """A run directory as train.py leaves it after stage 1: `model_cfg`'s weights and an Adam state with
+    moments, count and a skip-step history (a window of cfg.skip_window) that are all non-zero, saved at
+    `steps`. Returns the model and state of the last."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    model = olmo3.Olmo3(SMALL, key=keys[0])
+    model = olmo3.Olmo3(model_cfg, key=keys[0])
     params = eqx.filter(model, eqx.is_array)
     noise = lambda k, f: jax.tree.map(lambda w: f(jax.random.normal(k, w.shape)), params)
     window = jnp.arange(1, cfg.skip_window + 1, dtype=jnp.float32)
@@ -48,27 +58,53 @@ def stage1_run(run_dir, cfg, seed: int, steps=(30, 40)):
         noise(keys[2], jnp.square),
         window,
         2 * window,
-        99,
+        jnp.int32(99),
     )
-    meta = {"model": ckpt.config_to_hf(SMALL), "config": dataclasses.asdict(cfg)}
+    save_run(run_dir, cfg, model, opt, steps, keys[3])
+    return model, opt
+
+
+def save_run(run_dir, cfg: train.TrainConfig, model, opt, steps, key) -> None:
+    """`model` and `opt` saved as train.py saves them, at each of `steps`, under recipe `cfg`."""
+    meta = {"model": ckpt.config_to_hf(model.cfg), "config": dataclasses.asdict(cfg)}
     saver = ckpt.Checkpoints(run_dir)
     for step in steps:
-        saver.save(step, model, {"opt": opt, "key": jax.random.key_data(keys[3])}, meta)
+        saver.save(step, model, {"opt": opt, "key": jax.random.key_data(key)}, meta)
     saver.close()
-    return model, opt
 
 
 def arrays(tree) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
 
 
-def test_next_stage_carries_weights_moments_and_adam_count_and_resets_the_rest(small_recipe, tmp_path):
+def started(cfg: train.TrainConfig, monkeypatch) -> tuple:
+    """train.main(cfg) up to its loop: (the step it starts after, model, optimizer state, key) as the loop
+    gets them; the loop itself does not run (nothing trained, saved or sampled)."""
+    got = []
+
+    def loop(run, preemption, start, model, opt, key):
+        got.append((start, model, opt, key))
+        return model, True  # as a preempted run: no samples, no plot
+
+    monkeypatch.setattr(train, "train_loop", loop)
+    assert train.main(cfg) == 0
+    return got[0]
+
+
+def test_a_stage_starts_from_a_run_s_weights_moments_and_adam_count_and_resets_the_rest(
+    small_recipe, tmp_path, monkeypatch, capsys
+):
+    """`train.py --preset 7b-midtrain --init_from STAGE1_RUN`: step 1 of the new stage starts from the newest
+    checkpoint's weights, both Adam moments and Adam's count; its own step count, data order, LR and
+    skip-step history start afresh. Nothing is written as a step 0: a stage's first checkpoint is its own."""
     stage1, stage2 = small_recipe
     model, opt = stage1_run(tmp_path / "stage1", stage1, seed=0)
-    assert ckpt.next_stage(tmp_path / "stage1", tmp_path / "stage2", stage2) == (40, 37.0)
-    step, got, state, meta = restore(tmp_path / "stage2", stage2)  # as train.py's restore_or_init reads it
-    new = state["opt"]
-    assert step == 0 and "config" not in meta  # any recipe of this model may continue: the new stage's
+    cfg = dataclasses.replace(stage2, init_from=str(tmp_path / "stage1"))
+    start, got, new, key = started(cfg, monkeypatch)
+    said = f"starting from {tmp_path / 'stage1'}@40 (run: weights, Adam's moments and count)"
+    assert said in capsys.readouterr().out
+    assert start == 0 and not ckpt.has_checkpoints(cfg.run_dir)
+    assert got.cfg == train.model_config(cfg) and got.compute == olmo3.Compute(dtype="float32")  # the run's
     for name, want, have in [("weights", model, got), ("mu", opt.mu, new.mu), ("nu", opt.nu, new.nu)]:
         for a, b in zip(arrays(want), arrays(have), strict=True):
             np.testing.assert_array_equal(a, b, err_msg=name)
@@ -76,32 +112,87 @@ def test_next_stage_carries_weights_moments_and_adam_count_and_resets_the_rest(s
     # The skip-step history starts afresh, in the new recipe's window (stage 1's held 16, 99 steps seen).
     assert new.losses.shape == new.grad_norms.shape == (stage2.skip_window,)
     assert int(new.seen) == 0 and not np.asarray(new.losses).any() and not np.asarray(new.grad_norms).any()
+    assert (jax.random.key_data(key) == jax.random.key_data(jax.random.key(cfg.init_seed))).all()
     # Its LR is the new recipe's from its own step 1: linear from the literal, not stage 1's cosine.
-    assert train.lr_at(1, stage2) == stage2.lr * (1 - 1 / stage2.steps)
+    assert train.lr_at(1, stage2) == stage2.lr * (1 - 1 / stage2.lr_horizon)
 
 
-def test_next_stage_refuses_another_model_and_a_weights_only_checkpoint(small_recipe, tmp_path):
+def flags_of(cfg: train.TrainConfig, *names) -> list[str]:
+    """train.py's command line for `cfg`'s fields `names` (the preset's others at its defaults)."""
+    return [arg for name in names for arg in (f"--{name}", str(getattr(cfg, name)))]
+
+
+def refused(capsys, argv: list[str], run_dir) -> str:
+    """train.py's one line for a start refused as bad usage (exit 2), with nothing written."""
+    assert train.cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert not Path(run_dir).exists()
+    return err.removeprefix("error: ")
+
+
+def test_a_stage_start_is_refused_in_one_line_before_anything_is_written(
+    small_recipe, tmp_path, monkeypatch, capsys
+):
+    """Another model, a checkpoint of weights only (unless --init_weights_only), a step the run does not
+    have, @STEP of a directory that is not a run, no --init_from for a stage preset: each refused in one line
+    (exit 2), the new run directory never made."""
     stage1, stage2 = small_recipe
     stage1_run(tmp_path / "stage1", stage1, seed=0)
-    other_heads = dataclasses.replace(
-        stage2, head_layout="2x128"
-    )  # the same width in other heads: another model
-    with pytest.raises(
-        ValueError, match=r"holds another model than --preset 7b-midtrain's \(small\): .*heads"
-    ):
-        ckpt.next_stage(tmp_path / "stage1", tmp_path / "new", other_heads)
-    ckpt.write_first_step(tmp_path / "weights", olmo3.Olmo3(SMALL, key=jax.random.key(0)), None, "hf")
-    with pytest.raises(ValueError, match="holds weights only"):
-        ckpt.next_stage(tmp_path / "weights", tmp_path / "new", stage2)
-    assert not (tmp_path / "new").exists()
+    model = olmo3.Olmo3(SMALL, key=jax.random.key(0))
+    ckpt.write_first_step(tmp_path / "weights", model, None, "hf")
+    ckpt.save_hf(model, tmp_path / "hf")
+    names = ("preset", "model", "seq_len", "skip_window", "data", "data_root", "tokenizer", "global_batch")
+    argv = [*flags_of(stage2, *names, "steps", "run_dir"), "--tasks", ""]
+    run1, weights, hf, nowhere = tmp_path / "stage1", tmp_path / "weights", tmp_path / "hf", tmp_path / "no"
+    for source, extra, said in [
+        (
+            run1,
+            ["--head_layout", "2x128"],
+            f"{run1 / 'checkpoints' / '40'} holds another model than the run's",
+        ),
+        (weights, [], f"{weights / 'checkpoints' / '0'} holds weights only (no Adam state to carry over)"),
+        (f"{run1}@7", [], f"{run1 / 'checkpoints'} has no checkpoint at step 7 (steps: [30, 40])"),
+        (f"{hf}@7", [], f"@7 names a checkpoint of one of our run directories; {hf} is hf's"),
+        (nowhere, [], f"{nowhere} does not exist: expected one of our run directories (checkpoints/)"),
+    ]:
+        err = refused(capsys, [*argv, *extra, "--init_from", str(source)], stage2.run_dir)
+        assert err.startswith(f"--init_from {source}: {said}"), err
+        if extra:
+            assert (
+                "num_attention_heads 4 vs 2, num_key_value_heads 4 vs 2, head_dim 64 vs 128 (checkpoint vs run)"
+                in err
+            )
+    assert refused(capsys, argv, stage2.run_dir) == (
+        "--preset 7b-midtrain goes on from stage 1 of the 7B (our runs/7b, or OLMo-core's stage1 step "
+        "directory): name it with --init_from (a run directory or RUN_DIR@STEP, an OLMo-core step directory, "
+        "or a Hugging Face directory)"
+    )
+    # Weights alone where asked: Adam from zero.
+    cfg = dataclasses.replace(stage2, init_from=str(weights), init_weights_only=True)
+    _, got, new, _ = started(cfg, monkeypatch)
+    for a, b in zip(arrays(model), arrays(got), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert float(new.count) == 0.0 and not any(a.any() for a in arrays(new.mu) + arrays(new.nu))
 
 
 def test_average_is_the_mean_of_the_two_runs_weights(small_recipe, tmp_path):
     stage1, _ = small_recipe
     a, _ = stage1_run(tmp_path / "a", stage1, seed=1)
     b, _ = stage1_run(tmp_path / "b", stage1, seed=2, steps=(7,))
+    with pytest.raises(ValueError, match="at step 40 and .* at step 7: two runs at different stages"):
+        ckpt.average(tmp_path / "a", tmp_path / "b", tmp_path / "soup")  # unless asked for
+    assert not (tmp_path / "soup").exists()
     proc = subprocess.run(
-        [sys.executable, "ckpt.py", "average", tmp_path / "a", tmp_path / "b", tmp_path / "soup"],
+        [
+            sys.executable,
+            "ckpt.py",
+            "average",
+            tmp_path / "a",
+            tmp_path / "b",
+            tmp_path / "soup",
+            "--different_steps",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -243,23 +334,35 @@ def follows_step_by_step(run_dir, theirs: list[dict]) -> dict:
     return {k: max(rel(o[k], t[k]) for o, t in zip(ours, theirs)) for k in ("loss", "grad_norm")}
 
 
+def counting_adam(monkeypatch) -> list[float]:
+    """Adam's count as each train.main that follows starts its loop with it (the loop then runs as ever)."""
+    counts, loop = [], train.train_loop
+
+    def counted(run, preemption, start, model, opt, key):
+        counts.append(float(opt.count))
+        return loop(run, preemption, start, model, opt, key)
+
+    monkeypatch.setattr(train, "train_loop", counted)
+    return counts
+
+
 @pytest.mark.slow
 def test_stage2_from_an_olmo_core_checkpoint_follows_olmo_core_step_by_step(
     olmo_core_stages, tiny_data, tmp_path, monkeypatch
 ):
-    """`from-olmo-core` imports OLMo-core's stage-1 checkpoint as step 0 of our stage-2 run; train.py's main
-    trains the stage-2 recipe from it while OLMo-core's trainer loads the same checkpoint as its midtraining
-    script does: every step's batch, LR, skip, loss and grad norm agree. Had Adam's count or moments not
-    carried over, or the LR schedule, the data order or the skip history not restarted, step 1 or 2 would
-    differ (a count reset to 0 is 8e-3 off at step 2)."""
+    """`train.py --preset 7b-midtrain --init_from OLMO_CORE_STEP_DIR` starts our stage-2 run from OLMo-core's
+    stage-1 checkpoint and trains the stage-2 recipe while OLMo-core's trainer loads the same checkpoint as
+    its midtraining script does: every step's batch, LR, skip, loss and grad norm agree. Had Adam's count or
+    moments not carried over, or the LR schedule, the data order or the skip history not restarted, step 1
+    or 2 would differ (a count reset to 0 is 8e-3 off at step 2)."""
     step_dir, stage1_rows, theirs, model_cfg = olmo_core_stages
     monkeypatch.setitem(olmo3.MODELS, "oc-stage2", model_cfg)
-    cfg = our_stage2(tiny_data, tmp_path / "ours")
-    count = ckpt.import_olmo_core(step_dir, cfg.run_dir, cfg)
+    cfg = dataclasses.replace(our_stage2(tiny_data, tmp_path / "ours"), init_from=str(step_dir))
+    counts = counting_adam(monkeypatch)
+    assert train.main(cfg) == 0
     # Adam's count as OLMo-core left it: its steps but the skipped, plus one that torch's checkpointer took to
     # materialise the empty optimizer state when the trainer saved step 0 (lr 0, zero gradients).
-    assert count == STAGE1["steps"] - sum(r["skipped"] for r in stage1_rows) + 1
-    assert train.main(cfg) == 0
+    assert counts == [STAGE1["steps"] - sum(r["skipped"] for r in stage1_rows) + 1]
     print(
         f"stage 2 from OLMo-core's checkpoint: max relative difference {follows_step_by_step(cfg.run_dir, theirs)}"
     )
@@ -269,30 +372,120 @@ def test_stage2_from_an_olmo_core_checkpoint_follows_olmo_core_step_by_step(
 def test_stage2_from_our_stage1_run_follows_olmo_core_step_by_step(
     olmo_core_stages, tiny_data, tmp_path, monkeypatch
 ):
-    """The same stage 2 from one of our stage-1 run directories holding OLMo-core's stage-1 state (imported
-    under a stage-1 recipe with another skip window), by `ckpt.py next-stage`: the two README commands."""
+    """The same stage 2 from one of our stage-1 run directories holding OLMo-core's stage-1 state (saved by a
+    stage-1 recipe with another skip window, a skip history of its own, and a newer checkpoint of other
+    weights after it), by `--init_from RUN_DIR@STEP`: the README's one command."""
     step_dir, _, theirs, model_cfg = olmo_core_stages
     monkeypatch.setitem(olmo3.MODELS, "oc-stage2", model_cfg)
     cfg = our_stage2(tiny_data, tmp_path / "ours")
     stage1 = dataclasses.replace(train.PRESETS["tiny"], model="oc-stage2", skip_window=16)
-    ckpt.import_olmo_core(step_dir, tmp_path / "stage1", stage1)
-    ckpt.next_stage(tmp_path / "stage1", cfg.run_dir, cfg)
+    model, (mu, nu, count) = ckpt.load_olmo_core(step_dir, model_cfg)
+    window = jnp.arange(1, 17, dtype=jnp.float32)
+    opt = train.OptState(jnp.float32(count), mu, nu, window, 2 * window, jnp.int32(99))
+    save_run(tmp_path / "stage1", stage1, model, opt, [STAGE1["steps"]], jax.random.key(5))
+    stage1_run(tmp_path / "stage1", stage1, seed=3, steps=[STAGE1["steps"] + 3], model_cfg=model_cfg)
+    cfg = dataclasses.replace(cfg, init_from=f"{tmp_path / 'stage1'}@{STAGE1['steps']}")
+    counts = counting_adam(monkeypatch)
     assert train.main(cfg) == 0
-    print(f"stage 2 by next-stage: max relative difference {follows_step_by_step(cfg.run_dir, theirs)}")
+    assert counts == [count]
+    print(
+        f"stage 2 from our stage-1 run: max relative difference {follows_step_by_step(cfg.run_dir, theirs)}"
+    )
 
 
-def test_next_stage_command_refuses_in_one_line_and_writes_nothing(tmp_path):
-    for args, said in [
-        (["--preset", "7b-midtran"], "error: --preset 7b-midtran: expected one of tiny, 190m"),
-        (["--preset", "7b-midtrain"], f"error: {tmp_path / 'stage1' / 'checkpoints'} does not exist"),
-    ]:
-        proc = subprocess.run(
-            [sys.executable, "ckpt.py", "next-stage", tmp_path / "stage1", tmp_path / "stage2", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
+def command(*argv) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *map(str, argv)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+# A stage 2 of a few steps on the tiny model, as a user starts it from the command line.
+STAGE_START = [
+    *("--preset", "7b-midtrain", "--model", "tiny", "--data", "tiny", "--tokenizer", "tiny", "--tasks", ""),
+    *("--seq_len", "64", "--global_batch", "4", "--steps", "4", "--ckpt_every", "2", "--dtype", "float32"),
+    *(
+        "--mesh",
+        "data=1",
+        "--remat",
+        "none",
+        "--eval_every",
+        "1000",
+        "--eval_batches",
+        "1",
+        "--skip_window",
+        "4",
+    ),
+]
+
+
+def test_the_retired_spellings_and_a_missing_source_exit_2_in_one_line_naming_the_command(
+    tmp_path, tiny_data, capsys
+):
+    """`ckpt.py next-stage` and `from-olmo-core` and `train.py --init_from_hf` name what replaced them; a
+    stage's start from a directory that is not there names what --init_from takes. Nothing is written."""
+    stage1, stage2 = tmp_path / "stage1", tmp_path / "stage2"
+    start = "start the stage with: python train.py --preset PRESET --init_from"
+    commands = [  # as typed, started together
+        (
+            command("ckpt.py", "next-stage", stage1, stage2, "--preset", "7b-midtrain"),
+            f"`ckpt.py next-stage` is retired; {start} RUN_DIR[@STEP] --run_dir NEW_RUN_DIR",
+        ),
+        (
+            command("train.py", "--preset", "tiny", "--init_from_hf", stage1, "--run_dir", stage2),
+            "--init_from_hf is retired; use --init_from HF_DIR",
+        ),
+    ]
+    for proc, said in commands:
+        _, err = proc.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {said}"), err[-2000:]
+    assert ckpt.main(["from-olmo-core", str(stage1), str(stage2), "--preset", "7b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"error: `ckpt.py from-olmo-core` is retired; {start} OLMO_CORE_STEP_DIR --run_dir NEW_RUN_DIR"
+    )
+    argv = [*STAGE_START, "--data_root", str(tiny_data), "--init_from", str(stage1), "--run_dir", str(stage2)]
+    said = (
+        f"--init_from {stage1}: {stage1} does not exist: expected one of our run directories (checkpoints/)"
+    )
+    assert refused(capsys, argv, stage2).startswith(said)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_start_killed_while_its_first_checkpoint_is_written_starts_again_bit_for_bit(
+    tiny_data, tmp_path, capsys
+):
+    """A stage started with --init_from and SIGKILLed while its first checkpoint is written leaves no
+    checkpoint; the same command run again starts the stage from --init_from again, and its steps are an
+    uninterrupted start's, bit for bit. Once the run directory holds the stage, the command without
+    --init_from resumes it."""
+    stage1 = dataclasses.replace(train.PRESETS["tiny"], skip_window=16)
+    stage1_run(tmp_path / "stage1", stage1, seed=0, steps=(40,), model_cfg=olmo3.MODELS["tiny"])
+    argv = [*STAGE_START, "--data_root", tiny_data, "--init_from", tmp_path / "stage1"]
+    whole = command("train.py", *argv, "--run_dir", tmp_path / "whole")
+    killed = command("tests/faults.py", "during_save:2", *argv, "--run_dir", tmp_path / "killed")
+    (_, killed_err), (_, err) = killed.communicate(timeout=600), whole.communicate(timeout=600)
+    assert whole.returncode == 0, err[-3000:]
+    assert killed.returncode == -signal.SIGKILL, killed_err[-3000:]
+    assert not ckpt.has_checkpoints(tmp_path / "killed")  # killed before its first checkpoint committed
+    again = command("train.py", *argv, "--run_dir", tmp_path / "killed")
+    out, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-3000:]
+    assert f"starting from {tmp_path / 'stage1'}@40 (run: weights, Adam's moments and count)" in out
+    rows = lambda run: [json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    steps = lambda run: [
+        (r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows(run) if "loss" in r
+    ]
+    assert steps("killed") == steps("whole") and [s[0] for s in steps("whole")] == [1, 2, 3, 4]
+    for run in ("killed", "whole"):  # no step 0: the stage's checkpoints are its own steps
+        assert ckpt.Checkpoints(tmp_path / run, read_only=True).steps() == [2, 4]
+    # The stage held in its run directory: the command without --init_from resumes it (here: it is done).
+    capsys.readouterr()
+    assert (
+        train.cli(
+            [*map(str, STAGE_START), "--data_root", str(tiny_data), "--run_dir", str(tmp_path / "whole")]
         )
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(said), proc.stderr[-2000:]
-    assert not (tmp_path / "stage2").exists()
+        == 0
+    )
+    assert "run already complete: step 4" in capsys.readouterr().out
