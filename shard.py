@@ -153,7 +153,8 @@ TPU_FAMILIES = {
 }
 
 
-# Dense bf16 peak FLOP/s per chip (datasheets; TPU7x is Ironwood, whose two devices per chip share it).
+# Dense bf16 peak FLOP/s per chip (datasheets; TPU7x is Ironwood, whose two devices per chip share it): MFU's
+# denominator, with --fp8 too, as OLMo-core's speed monitor (fp8 peaks: README, "FP8").
 PEAK_FLOPS = {
     "TPU v4": 275e12,
     "TPU v5 lite": 197e12,

@@ -20,6 +20,7 @@ The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py
 `recipe(...)` below are theirs.
 """
 
+import collections
 import dataclasses
 import difflib
 import functools
@@ -1356,12 +1357,37 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
     tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
     tips = ", ".join([*tips, "more chips, or a tensor or context axis in --mesh"])
     fits = shard.fit_report(lambda: compile_for(n_micro), mesh, target, tips, say)
+    if fits:  # what runs the matmuls (fp8 under --fp8?), as the target's compiler emitted them
+        kinds = matmul_kinds(compile_for(n_micro)[0].as_text()).most_common()
+        said = ", ".join(f"{n} {kind}" for kind, n in kinds)
+        say(f"matmuls in the compiled step (the layer scan's body once): {said}")
     report_eval_steps(cfg, mesh, model_cfg, compute, n_micro, target)
     if compute.attention == "reference":
         say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
     say(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
     return 0 if fits else 1
+
+
+MATMUL = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? (dot|convolution|custom-call)\(([^)]*)\)(.*)$", re.MULTILINE)
+
+
+def matmul_kinds(hlo: str) -> collections.Counter:
+    """The matrix multiplications of a compiled program (its optimized HLO text), each instruction once (a
+    scan's body once), by the element types of their two operands ("fp8": both f8) and what runs them: a dot
+    or convolution of XLA's own (CPU, TPU), or a cuBLAS call (GPU; `__cublas$lt$matmul$f8`: cuBLASLt's fp8
+    GEMM). On a CPU the fp8 matmuls are f32 dots of fp8-rounded operands."""
+    types = dict(re.findall(r"%([\w.\-]+) = \(?(\w+)\[", hlo))
+    kinds = collections.Counter()
+    for op, operands, rest in MATMUL.findall(hlo):
+        if op == "custom-call":  # a library call: cuBLAS's GEMMs count, cuDNN's attention and others not
+            if not (target := re.search(r'custom_call_target="(__cublas[^"]*)"', rest)):
+                continue
+            op = target[1]
+        a, b = (types.get(name.strip().lstrip("%"), "?") for name in operands.split(",")[:2])
+        kind = "fp8" if a.startswith("f8") and b.startswith("f8") else a if a == b else f"{a} x {b}"
+        kinds[f"{kind} ({op})"] += 1
+    return kinds
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -219,6 +220,9 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     assert rows["HBM"] == 15.75
     spare = rows["HBM"] - rows["total"]
     assert f"fits, with {spare:.1f} GiB to spare" in table
+    # What runs the matmuls: the 7 linears x 3 matmuls of the scanned group of 4 layers and the LM head's 3 (the
+    # attention is Splash's kernel), all bf16 on the MXU.
+    assert "\nmatmuls in the compiled step (the layer scan's body once): 87 bf16 (convolution)\n" in table
     # The evaluation steps, compiled too: the parameters and a forward pass's temporaries, no optimizer state.
     evals = dict(
         re.findall(r"^  (held-out \(LM\)|downstream tasks) +([\d.]+) GiB a device \(fits\)$", table, re.M)
@@ -289,3 +293,60 @@ def test_gpu_head_dim_256_is_allowed_as_on_hopper():
         "fmhaSoftmax": 4,
         "fmhaSoftmaxBackward": 4,
     }
+
+
+# ---- FP8 (--fp8 tensorwise, the 7b-long-context preset): what the dry run says runs the matmuls
+
+
+def fp8_linear_hlo(devices, fp8: bool) -> str:
+    """A linear's forward and backward (d 512 -> 1024, bf16 activations, the fp32 master weight), fp8_linear's
+    or the bf16 one's, compiled for `devices[0]`, as text."""
+    mesh = Mesh(np.array(devices[:1]), ("d",))
+    whole = NamedSharding(mesh, P())
+    linear = olmo3.fp8_linear if fp8 else lambda x, w: olmo3.linear(x, w.astype(x.dtype))
+    step = lambda x, w, g: jax.vjp(linear, x, w)[1](g)
+    x, g = (jax.ShapeDtypeStruct((4, 256, n), jnp.bfloat16, sharding=whole) for n in (512, 1024))
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=whole)
+    return jax.jit(lambda x, w, g: (linear(x, w), *step(x, w, g))).lower(x, w, g).compile().as_text()
+
+
+def test_the_dry_run_s_matmul_count_tells_fp8_from_bf16_as_compiled():
+    """train.matmul_kinds (the dry run's "matmuls" line) on what libtpu compiles for Ironwood: fp8_linear's three
+    matmuls are convolutions on fp8 operands (the MXU's fp8), the bf16 linear's on bf16 ones; on this CPU the
+    fp8 ones are f32 dots (XLA:CPU converts f8 operands first: fp8's numbers, not its speed)."""
+    ironwood = shard.compile_target("tpu7x:2x2x1").devices
+    assert train.matmul_kinds(fp8_linear_hlo(ironwood, fp8=True)) == {"fp8 (convolution)": 3}
+    assert train.matmul_kinds(fp8_linear_hlo(ironwood, fp8=False)) == {"bf16 (convolution)": 3}
+    assert train.matmul_kinds(fp8_linear_hlo(jax.devices(), fp8=True)) == {"f32 (dot)": 3}
+
+
+def fp8_dry_run(run_dir, topology: str, mesh: str, *flags: str) -> str:
+    """The tiny preset's dry run, stage 3's compute policy (bf16, --fp8 tensorwise), compiled for `topology`:
+    its matmul line."""
+    env = dict(os.environ, JAX_PLATFORMS="")  # as a user runs it: train.py keeps the backend on the CPU
+    args = ["--preset", "tiny", "--dry_run", "--topology", topology, "--mesh", mesh, "--dtype", "bfloat16"]
+    args += ["--fp8", "tensorwise", "--seq_len", "512", *flags, "--run_dir", str(run_dir)]
+    out = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "bfloat16, fp8 tensorwise (the block linears)" in out.stdout
+    return re.search(
+        r"^matmuls in the compiled step \(the layer scan's body once\): (.*)$", out.stdout, re.M
+    )[1]
+
+
+@pytest.mark.slow
+def test_the_dry_run_for_ironwood_with_fp8_shows_every_block_matmul_on_fp8_operands(tmp_path):
+    """7 linears x 3 matmuls (forward, the two gradients) in each of the scanned group's 4 layers on fp8
+    operands; the LM head's 3 in bf16."""
+    assert fp8_dry_run(tmp_path, "tpu7x-8", "fsdp=4,tensor=2") == "84 fp8 (convolution), 3 bf16 (convolution)"
+
+
+# Rerun with the [gpu] extra: pip install -e ".[gpu,test]" && pytest tests/test_compile.py -k gpu
+def test_gpu_dry_run_with_fp8_shows_every_block_matmul_as_a_cublaslt_fp8_gemm(tmp_path):
+    """For 8 H200s (fsdp and tensor axes): every block matmul a cuBLASLt fp8 GEMM, the LM head's 3 bf16 cuBLASLt
+    GEMMs (a dry run starts no backend before it names the target, so shard.gpu_target's Triton flag holds)."""
+    pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    said = fp8_dry_run(tmp_path, "h200x8", "fsdp=4,tensor=2")  # cuDNN attention: the GPU's choice
+    assert said == "84 fp8 (__cublas$lt$matmul$f8), 3 bf16 (__cublas$lt$matmul)"

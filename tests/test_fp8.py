@@ -5,6 +5,7 @@ reference here is the real one. Then the model with fp8 on, and what XLA makes o
 Ironwood (libtpu) and for an H200 (the CUDA plugin, where installed)."""
 
 import collections
+import dataclasses
 import re
 
 import equinox as eqx
@@ -22,6 +23,7 @@ from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
 import olmo3
 import shard
+import train
 
 BF16 = ml_dtypes.bfloat16
 # 448 / 2^14: a weight of this amax gets the scale 2^14 whether or not its scale is rounded to a power of two.
@@ -412,3 +414,30 @@ def test_gpu_the_model_with_fp8_and_cudnn_attention_compiles_every_block_linear_
     assert calls.pop("__cublas$lt$matmul$f8") >= 4 * cfg.period, calls  # at least 4 a layer, forward alone
     assert calls == {"__cublas$lt$matmul": 3, "__cudnn$fmhaSoftmax": 4, "__cudnn$fmhaSoftmaxBackward": 4}
     assert not re.search(r"= \S+ dot\(", hlo)  # no matmul left to XLA's own emitters
+
+
+# ---- through the recipe: the presets, the startup line, a scaled-down stage 3 trained in fp8
+
+
+def test_only_the_7b_stage3_preset_trains_in_fp8_as_ai2_s_scripts(capsys):
+    """OLMo-core's official scripts: Float8Config(enabled=True) in OLMo-3-1025-7B-long-context.py alone (on bf16
+    compute); OLMo-3-1025-32B-long-context.py and every other stage's script leave it off. --help says so."""
+    assert {name for name, cfg in train.PRESETS.items() if cfg.compute.fp8} == {"7b-long-context"}
+    assert train.PRESETS["7b-long-context"].compute == olmo3.Compute(
+        "bfloat16", "auto", "full", fp8="tensorwise"
+    )
+    for preset, said in [("7b-long-context", "'tensorwise'"), ("32b-long-context", "''")]:
+        with pytest.raises(SystemExit):
+            train.parse_args(["--preset", preset, "--help"])
+        assert re.search(rf"^  --fp8 +{said} ", capsys.readouterr().out, re.M)
+
+
+def test_the_startup_line_says_fp8_and_which_peak_mfu_is_against(capsys):
+    """MFU's denominator with fp8 on is the dense bf16 peak, as OLMo-core's speed monitor's (Ironwood: 2,307
+    TFLOP/s a chip, each of its two devices half)."""
+    mesh = shard.make_mesh("fsdp=1", list(shard.compile_target("tpu7x:2x2x1").devices)[:1])
+    cfg = train.PRESETS["7b-long-context"]
+    train.announce(cfg, mesh, train.model_config(cfg), dataclasses.replace(cfg.compute, attention="splash"))
+    said = capsys.readouterr().out
+    assert "bfloat16, fp8 tensorwise (the block linears), remat full;" in said
+    assert "peak 1154 TFLOP/s per device, dense bf16 (MFU's, fp8 or not)" in said
