@@ -1,7 +1,8 @@
-"""Data throughput: TokenLoader batches from token files, batch_hash, the repeat filter, the permutation,
-the tokenizers.
+"""Data throughput: TokenLoader batches from token files (local, over HTTP, from a GCS emulator), the wait a
+prefetched step sees, stage 3's start (cold and cached), batch_hash, the repeat filter, the permutation, the
+tokenizers.
 
-python bench/data_speed.py           # about 2 minutes on 2 CPU cores; writes ~600 MB to a temp folder
+python bench/data_speed.py           # about 4 minutes on 2 CPU cores; writes ~1.6 GB to a temp folder
 python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
 python bench/data_speed.py --small   # every row at a small size, seconds: a check that it runs through
 """
@@ -17,20 +18,42 @@ import time
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # tokenize() must not reach for the hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/servers.py: the GCS emulator and the HTTP file server the tests use
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import numpy as np
+from servers import FileServer, gcs_emulator
 
 import data
 
 SEQ, BATCH = 8192, 64  # the 7B run's sequence, and 64 of its 512 rows: one host's share at 8 hosts
 OLMO3_INSTANCES = 512 * 1_413_814  # at least this many instances in OLMo-mix-0625-official
 # What each row measures at: tokens per file (6 files), batches read cold, rows hashed, instances permuted,
-# plays encoded (None: all 38), copies of them tokenized. --small runs the same code on SMALL, which measures
-# nothing.
+# plays encoded (None: all 38), copies of them tokenized, prefetched steps and their seconds, stage 3's mix
+# (8 files). --small runs the same code on SMALL, which measures nothing.
 SIZE = dict(
-    file_tokens=25_000_000, batches=20, hash_rows=(64, 512), instances=100_000_000, plays=None, copies=4
+    file_tokens=25_000_000,
+    batches=20,
+    hash_rows=(64, 512),
+    instances=100_000_000,
+    plays=None,
+    copies=4,
+    steps=10,
+    step_s=1.0,  # about the 7B's step on its slice (7.7K tokens/s a GPU, OLMo 3's report)
+    stage3_bytes=2**30,
 )
-SMALL = dict(file_tokens=1_000_000, batches=2, hash_rows=(64,), instances=1_000_000, plays=2, copies=1)
+SMALL = dict(
+    file_tokens=1_000_000,
+    batches=2,
+    hash_rows=(64,),
+    instances=1_000_000,
+    plays=2,
+    copies=1,
+    steps=3,
+    step_s=0.1,
+    stage3_bytes=2**23,
+)
+STAGE3_SEQ = 65536  # the long-context stage's rows
 
 
 def timed(fn, *args, repeat=1):
@@ -41,8 +64,9 @@ def timed(fn, *args, repeat=1):
     return (time.perf_counter() - t) / repeat, out
 
 
-def loader_speed(folder, rows, size):
-    """Batches/s of global_batch with the files evicted from the page cache (cold), then cached (warm)."""
+def loader_speed(folder, rows, size) -> list[str]:
+    """Batches/s of global_batch with the files evicted from the page cache (cold), then cached (warm); returns
+    the files."""
     rng = np.random.default_rng(0)
     paths = []
     for k in range(6):  # 6 files x 25M uint32 tokens = 600 MB, lengths not multiples of SEQ
@@ -80,6 +104,86 @@ def loader_speed(folder, rows, size):
         # take less than a step, which for the 7B's or 32B's batch is seconds on any slice.
         seconds, _ = timed(data.repeated, np.tile(batch, (b // BATCH, 1)), 32, repeat=3)
         rows.append((f"repeat filter (data.repeated), {b} x {SEQ}", f"{seconds * 1e3:.0f} ms"))
+    return paths
+
+
+def upload(folder, bucket_name: str) -> str:
+    """The files under a local folder copied to a new bucket of the GCS emulator; returns its gs:// URL."""
+    from google.cloud import storage
+
+    bucket = storage.Client().create_bucket(bucket_name)
+    for name in sorted(os.listdir(folder)):
+        bucket.blob(name).upload_from_filename(os.path.join(folder, name))
+    return f"gs://{bucket_name}"
+
+
+def remote_speed(paths, rows, size):
+    """The files of loader_speed over HTTP (Python's threaded server) and from the GCS emulator, both on
+    127.0.0.1: batches/s read straight, then the wait a step sees with the prefetcher 2 batches ahead and a step
+    of step_s, against the local files (page cache warm)."""
+    folder, names = os.path.dirname(paths[0]), [os.path.basename(p) for p in paths]
+    http = FileServer(folder)
+    roots = {"local files": folder, "over HTTP (127.0.0.1)": http.url}
+    roots["GCS emulator (127.0.0.1)"] = upload(folder, "bench-tokens")
+    n = size["batches"]
+    for where, root in roots.items():
+        loader = data.TokenLoader([f"{root}/{name}" for name in names], SEQ, BATCH, seed=0, vocab_size=100278)
+        if where != "local files":
+            seconds, _ = timed(lambda: [loader.global_batch(i) for i in range(n)])
+            per_s = n / seconds
+            rows.append(
+                (
+                    f"TokenLoader.global_batch, {BATCH} x {SEQ}, {where}",
+                    f"{per_s:.1f} batches/s = {per_s * BATCH * SEQ * 4 / 1e6:.0f} MB/s, {per_s * BATCH:.0f} reads/s",
+                )
+            )
+        waits = prefetched_waits(loader, size["steps"], size["step_s"])
+        rows.append(
+            (
+                f"data_wait_s a step, prefetched 2 ahead, steps of {size['step_s']} s, {where}",
+                f"first {waits[0] * 1e3:.0f} ms, then mean {np.mean(waits[1:]) * 1e3:.2f} ms, max {max(waits[1:]) * 1e3:.2f} ms",
+            )
+        )
+    http.shutdown()
+
+
+def prefetched_waits(loader, steps: int, step_s: float) -> list[float]:
+    """What train.py logs as data_wait_s: each step's wait for its batch from data.Prefetcher, a step taking
+    step_s (the device's time, here a sleep)."""
+    prefetcher = data.Prefetcher(loader.global_batch, 0, steps, lambda batch: batch)
+    waits = []
+    for _, _, wait in prefetcher:
+        waits.append(wait)
+        time.sleep(step_s)
+    prefetcher.close()
+    return waits
+
+
+def stage3_start(folder, rows, size):
+    """Seconds from nothing to stage 3's first batch (PackedLoader: files' sizes, the document index, packing,
+    the permutation, batch 0) on a mix of 8 files of stage3_bytes in all, cold (every token scanned, the
+    caches written) and again with the caches in its work directory: local, then data and work directory on
+    the GCS emulator."""
+    mix = os.path.join(folder, "stage3")
+    os.makedirs(mix)
+    rng = np.random.default_rng(0)
+    for k in range(8):  # documents of 100 to 100,000 tokens, EOS-terminated
+        tokens = rng.integers(2, 100278, size["stage3_bytes"] // 32, dtype=np.uint32)
+        ends = np.cumsum(rng.integers(100, 100_000, len(tokens) // 100 + 1))
+        tokens[ends[ends <= len(tokens)] - 1] = 100257
+        tokens[-1] = 100257
+        tokens.tofile(os.path.join(mix, f"{k:03d}.npy"))
+    gb = size["stage3_bytes"] / 2**30
+    remote = upload(mix, "bench-stage3")
+    places = {"local": (mix, os.path.join(folder, "work")), "GCS emulator": (remote, f"{remote}/run/data")}
+    for where, (root, work) in places.items():
+        for start in ("cold: every token scanned", "cached in its work_dir"):
+            files = [f"{root}/{name}" for name in sorted(os.listdir(mix))]
+            packing = dict(eos_id=100257, pad_id=100277, group_size=2, file_seed=123, seed=0, work_dir=work)
+            seconds, _ = timed(lambda: data.PackedLoader(files, STAGE3_SEQ, 8, **packing).global_batch(0))
+            rows.append(
+                (f"stage 3 start to batch 0, {gb:.2g} GB in 8 files, {where}, {start}", f"{seconds:.2f} s")
+            )
 
 
 def permutation_speed(n):
@@ -142,7 +246,10 @@ if __name__ == "__main__":
     size = SMALL if args.small else SIZE
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        loader_speed(folder, rows, size)
+        paths = loader_speed(folder, rows, size)
+        with gcs_emulator():
+            remote_speed(paths, rows, size)
+            stage3_start(folder, rows, size)
         for n in [size["instances"]] + [OLMO3_INSTANCES] * args.full:
             seconds, peak = permutation_speed(n)
             rows.append(

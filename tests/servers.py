@@ -63,6 +63,9 @@ class FileServer(http.server.ThreadingHTTPServer):
     `fail_every`-th request (the first too) answered 503, the paths in `refuse` 403, and the first ranged GET
     held `stall` seconds before a byte is sent. `log`: each request's (method, path, Range header, status)."""
 
+    request_queue_size = 128  # TensorStore opens up to 64 connections at once; with socketserver's 5, the
+    # connections past the backlog are dropped and connect only on a SYN resent a second or more later
+
     def __init__(self, root, fail_every: int = 0, refuse=(), stall: float = 0.0):
         super().__init__(("127.0.0.1", 0), FileHandler)
         self.root, self.fail_every, self.refuse, self.stall = str(root), fail_every, set(refuse), stall
@@ -79,6 +82,7 @@ class FileServer(http.server.ThreadingHTTPServer):
 
 class FileHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # connections kept open, as curl (TensorStore's client) keeps them
+    disable_nagle_algorithm = True  # else a body sent after its headers waits for the client's delayed ACK
 
     def log_message(self, *args):  # the log is FileServer.log, not stderr
         pass
