@@ -1230,10 +1230,31 @@ def check_hf(hf_dir, cfg: Olmo3Config, as_run=lambda hf: hf) -> None:
     """An HF directory must hold model `cfg` once the run has made it its own (`as_run`: e.g. YaRN added to a
     stage-2 model for stage 3), every file whole: refused in one line before anything is read."""
     hf_dir = Path(hf_dir)
-    hf = as_run(read_hf_config(hf_dir))
-    _hf_files(hf_dir)
-    if diff := model_differences(hf, cfg):
+    saved = read_hf_config(hf_dir)
+    files = _hf_files(hf_dir)
+    if diff := model_differences(as_run(saved), cfg):
         raise ValueError(f"{hf_dir} holds another model than the run's: {diff} (checkpoint vs run)")
+    _check_hf_tensors(hf_dir, saved, files)
+
+
+def _check_hf_tensors(path: Path, cfg: Olmo3Config, files: dict[str, Path]) -> None:
+    """The files hold every tensor of model `cfg` in its shape, and no other: read from their headers only."""
+    expected = {name: (leaf, layer, n_in) for leaf, layer, name, n_in in hf_names(cfg)}
+    if missing := sorted(expected.keys() - files.keys()):
+        raise ValueError(
+            f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"({len(missing)} in all) for the model config.json describes"
+        )
+    if extra := sorted(files.keys() - expected.keys()):
+        raise ValueError(
+            f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM"
+        )
+    tree, handles = olmo3.abstract(cfg), {f: _open_safetensors(f) for f in set(files.values())}
+    for name, (leaf, layer, n_in) in expected.items():
+        shape = leaf_at(tree, leaf).shape[0 if layer is None else 1 :]
+        want = _hf_shape(shape, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None)
+        if (got := tuple(handles[files[name]].get_slice(name).get_shape())) != want:
+            raise ValueError(f"{files[name]}: tensor {name} has shape {list(got)}, expected {list(want)}")
 
 
 def with_config(model: Olmo3, cfg: Olmo3Config) -> Olmo3:
@@ -1264,17 +1285,7 @@ def load_hf(path, *, shardings=None, compute: Compute = Compute(), tally: Tally 
     path = Path(path)
     cfg = read_hf_config(path)
     files = _hf_files(path)
-    expected = {name for _, _, name, _ in hf_names(cfg)}
-    if missing := sorted(expected - files.keys()):
-        raise ValueError(
-            f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-            f"({len(missing)} in all) for the model config.json describes"
-        )
-    if extra := sorted(files.keys() - expected):
-        raise ValueError(
-            f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM"
-        )
-
+    _check_hf_tensors(path, cfg, files)
     handles = {f: _open_safetensors(f) for f in set(files.values())}
 
     def read(name, want, region):

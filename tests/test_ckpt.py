@@ -310,6 +310,47 @@ def test_load_hf_names_missing_extra_and_misshapen_tensors(tmp_path):
         ckpt.load_hf(tmp_path / "c")
 
 
+def test_train_py_refuses_a_damaged_hf_directory_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """`train.py --init_from HF_DIR` reads config.json and the files' headers before anything is written: a
+    damaged directory, or a tensor missing, extra or of another shape, is refused in one line (exit 2), the
+    run directory never made."""
+    make_hf(tmp_path / "whole")
+    monkeypatch.setitem(olmo3.MODELS, "hf-small", ckpt.read_hf_config(tmp_path / "whole"))
+    np.random.default_rng(0).integers(0, 300, 4096, dtype=np.uint16).tofile(tmp_path / "tokens.npy")
+    cases = list(damaged_hf_dirs(tmp_path / "damaged").values())
+    for name, edit, says in [
+        ("missing", lambda t: t.pop("model.layers.2.mlp.up_proj.weight"), "missing tensors ['model.layers.2"),
+        ("extra", lambda t: t.update({"lm_head.bias": np.zeros(300, np.float32)}), "unexpected tensors"),
+        (
+            "misshapen",
+            lambda t: t.update({"model.norm.weight": np.ones(32, np.float32)}),
+            "model.safetensors",
+        ),
+    ]:
+        shutil.copytree(tmp_path / "whole", tmp_path / name)
+        rewrite_weights(tmp_path / name, edit)
+        cases.append((tmp_path / name, f"{tmp_path / name}" + ("/" if name == "misshapen" else ": ") + says))
+    run_dir = tmp_path / "run"
+    argv = [
+        "--preset",
+        "tiny",
+        "--model",
+        "hf-small",
+        "--data",
+        str(tmp_path / "tokens.npy"),
+        "--seq_len",
+        "16",
+    ]
+    argv += ["--global_batch", "2", "--steps", "1", "--run_dir", str(run_dir)]
+    capsys.readouterr()  # transformers' progress bars, making the directories
+    for hf_dir, says in cases:
+        assert train.cli([*argv, "--init_from", str(hf_dir)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --init_from {hf_dir}: {says}") and "\n" not in err, err
+        assert not run_dir.exists()
+    assert "tensor model.norm.weight has shape [32], expected [64]" in err
+
+
 def damaged_hf_dirs(root: Path) -> dict[str, tuple[Path, str]]:
     """HF directories each damaged one way: (directory, the file the error must name and what it must say)."""
     out = {}

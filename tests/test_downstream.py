@@ -110,10 +110,10 @@ def test_tasks_without_olmo_eval_are_refused_naming_the_extra(monkeypatch, tmp_p
 
 
 def test_eval_only_scores_released_weights_on_tasks_without_data(tiny_data, tmp_path):
-    """--eval_only --init_from_hf --tasks with no --data: only the tasks, one row."""
+    """--eval_only --init_from HF_DIR --tasks with no --data: only the tasks, one row."""
     ckpt.save_hf(olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0)), tmp_path / "hf")
     argv = ["--preset", "tiny", "--data", "", "--data_root", str(tiny_data), "--eval_only"]
-    argv += ["--init_from_hf", str(tmp_path / "hf"), "--tasks", "copycolors_10way_fast"]
+    argv += ["--init_from", str(tmp_path / "hf"), "--tasks", "copycolors_10way_fast"]
     assert train.cli([*argv, "--run_dir", str(tmp_path / "run")]) == 0
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     labels = DownstreamEvaluator.metric_type_to_label

@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -517,3 +518,32 @@ def test_one_process_failing_stops_the_others(tmp_path, tiny_data):
     assert failing.returncode == 1 and "RuntimeError: injected" in out, out[-3000:]
     assert waiting.returncode not in (0, None) and "another task died" in other, other[-3000:]
     assert time.time() - t0 < 90
+
+
+@pytest.mark.slow
+def test_a_sharded_start_reads_each_process_s_shards_only(tmp_path, tiny_data):
+    """`--init_from HF_DIR` on an FSDP mesh over two processes: each process reads only the parts of each
+    tensor its devices hold, half the model (the norms, which every device holds whole, aside), as the
+    number it prints says; and the run is the one-process run's."""
+    import ckpt
+
+    ckpt.save_hf(olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(3)), tmp_path / "hf")
+    flags = ["--init_from", str(tmp_path / "hf"), "--eval_batches", "1"]
+    pair = launch(tmp_path / "two", 2, tiny_data, processes=2, flags=flags)
+    single = launch(tmp_path / "one", 2, tiny_data, processes=1, flags=flags)
+    outs, (one,) = finish(pair), finish(single)
+    said = re.compile(
+        rf"starting from {tmp_path / 'hf'} \(hf: weights only: Adam from zero\); this process read "
+        r"([\d,.]+) MiB of the ([\d,.]+) MiB of it"
+    )
+    mib = lambda out: [float(x.replace(",", "")) for x in said.search(out).groups()]
+    (read_0, whole), (read_1, whole_1), (read_one, whole_one) = map(mib, [*outs, one])
+    model_mib = olmo3.count_params(olmo3.abstract(olmo3.MODELS["tiny"])) * 4 / 2**20
+    assert whole == whole_1 == whole_one == pytest.approx(model_mib, abs=0.1)
+    assert read_one == whole_one  # one process holds all 8 devices: it reads every part
+    assert read_0 <= 0.51 * whole and read_1 <= 0.51 * whole, (read_0, read_1, whole)
+    two, single_rows = metrics(tmp_path / "two"), metrics(tmp_path / "one")
+    got, want = [r for r in two if "loss" in r], [r for r in single_rows if "loss" in r]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2]
+    for a, b in zip(got, want):
+        assert a["batch_hash"] == b["batch_hash"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)

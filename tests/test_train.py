@@ -668,8 +668,9 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
     ("--dry_run --eval_only", "--dry_run and --eval_only: choose one"),
     (
         "--init_from_hf /nowhere",
-        "--init_from_hf /nowhere: no config.json there; expected an HF model directory",
+        "--init_from_hf is retired; use --init_from HF_DIR (it takes our run directories",
     ),
+    ("--init_weights_only", "--init_weights_only: goes with --init_from SOURCE"),
     ("--tensorboard", "--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'"),
     ("--steps=many", "--steps 'many': expected int"),
     ("--ckpt_evry 5", "unknown flag --ckpt_evry; did you mean --ckpt_every"),
@@ -789,7 +790,7 @@ def test_the_repeat_filter_logs_what_it_drops_and_hashes_what_it_read(tiny_data,
 
 
 @pytest.mark.slow
-def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
+def test_init_from_a_hugging_face_directory_starts_from_those_weights(tmp_path, tiny_data):
     from transformers import Olmo3ForCausalLM
 
     import ckpt
@@ -805,7 +806,7 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
         str(tmp_path / "run"),
         "--data_root",
         str(tiny_data),
-        "--init_from_hf",
+        "--init_from",
         str(tmp_path / "hf"),
         "--samples",
         "0",
@@ -840,11 +841,13 @@ def test_init_from_hf_starts_from_those_weights(tmp_path, tiny_data):
         str(tmp_path / "run8"),
         "--data_root",
         str(tiny_data),
-        "--init_from_hf",
+        "--init_from",
         str(tmp_path / "hf8"),
     )
     # Refused as bad usage, in one line, before anything is compiled or the run directory is made.
-    assert out.returncode == 2 and "n_layers 8 (checkpoint) vs 4 (preset)" in out.stderr, out.stderr[-3000:]
+    said = f"error: --init_from {tmp_path / 'hf8'}: {tmp_path / 'hf8'} holds another model than the run's: "
+    assert out.returncode == 2 and out.stderr.startswith(said), out.stderr[-3000:]
+    assert "num_hidden_layers 8 vs 4, layer_types 8 entries vs [" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "run8").exists()
 
 
@@ -953,7 +956,7 @@ def test_eval_only_on_a_run_directory_without_a_checkpoint_is_refused_and_create
     )
     assert err == (
         f"error: --eval_only: --run_dir {typo} holds no checkpoint to evaluate; expected the directory of a run "
-        "that saved one (or --init_from_hf)"
+        "that saved one (or --init_from)"
     )
     assert not typo.exists()
 
