@@ -981,9 +981,11 @@ def check_resume(meta: dict, expected: dict, recipe_fields, allow_change: bool, 
         return
     saved, now = meta["config"], expected["config"]
     changes = [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in recipe_fields if saved.get(k) != now[k]]
-    # Of the compute policy only the dtype changes the numbers (kernels and remat change rounding at most).
-    if (old := saved.get("compute", {}).get("dtype")) != now["compute"]["dtype"]:
-        changes.append(f"dtype: {old!r} -> {now['compute']['dtype']!r}")
+    # Of the compute policy only the dtype and fp8 change the numbers (kernels and remat change rounding at
+    # most); a checkpoint from before --fp8 trained without it.
+    for name, before in [("dtype", None), ("fp8", "")]:
+        if (old := saved.get("compute", {}).get(name, before)) != now["compute"][name]:
+            changes.append(f"{name}: {old!r} -> {now['compute'][name]!r}")
     try:
         data.check_fingerprint(meta["data"], expected["data"])
     except ValueError as e:

@@ -21,6 +21,7 @@ from torchao.float8 import Float8LinearConfig
 from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
+import ckpt
 import olmo3
 import shard
 import train
@@ -441,3 +442,25 @@ def test_the_startup_line_says_fp8_and_which_peak_mfu_is_against(capsys):
     said = capsys.readouterr().out
     assert "bfloat16, fp8 tensorwise (the block linears), remat full;" in said
     assert "peak 1154 TFLOP/s per device, dense bf16 (MFU's, fp8 or not)" in said
+
+
+def test_a_resume_that_turns_fp8_on_or_off_is_refused_unless_allowed():
+    """fp8 changes the numbers a step computes, as the dtype does: a resume that flips it is another recipe
+    (--allow_config_change takes it); a checkpoint from before the flag trained without fp8."""
+    cfg = train.PRESETS["tiny"]
+    model = ckpt.config_to_hf(train.model_config(cfg))
+
+    def meta(fp8):
+        config = dataclasses.asdict(dataclasses.replace(cfg, compute=olmo3.Compute("bfloat16", fp8=fp8)))
+        return dict(config=config, model=model, data={})
+
+    check = lambda saved, now, allow=False: ckpt.check_resume(saved, now, train.RECIPE_FIELDS, allow, "run")
+    check(meta("tensorwise"), meta("tensorwise"))
+    with pytest.raises(ckpt.ResumeRefused, match="trained with another recipe: fp8: 'tensorwise' -> ''"):
+        check(meta("tensorwise"), meta(""))
+    check(meta("tensorwise"), meta(""), allow=True)
+    before = meta("")
+    del before["config"]["compute"]["fp8"]
+    check(before, meta(""))
+    with pytest.raises(ckpt.ResumeRefused, match="fp8: '' -> 'tensorwise'"):
+        check(before, meta("tensorwise"))
