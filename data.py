@@ -10,6 +10,8 @@ reference run over the same files:
 - data-parallel rank r of `world` takes rows r, r + world, r + 2*world, ... of every global batch;
 - stage 3 instead packs whole documents into instances (PackedInstances: NumpyPackedFSLDataset), in the same
   global order (PackedLoader), each row with its label mask and its documents.
+Files are local paths or gs:// and http(s):// URLs, read by byte range (read_ranges); the permutation and the
+document index are cached in a work directory, local or gs://, in OLMo-core's file formats.
 
   python data.py prepare-tiny                      # Shakespeare -> data/tiny/{train,val}/*.npy in seconds
   python data.py tokenize docs/*.jsonl --out data/mine --tokenizer dolma2 --num_proc 8
@@ -201,7 +203,10 @@ def _store(root: str):
     )
     gcs = root.startswith("gs://")
     spec = {"driver": "gcs", "bucket": root[5:]} if gcs else {"driver": "http", "base_url": root}
-    return ts.KvStore.open(spec, context=context).result()
+    try:
+        return ts.KvStore.open(spec, context=context).result()
+    except ValueError as e:  # a bucket name GCS would refuse, say
+        raise DataError(f"{root}: {e}") from e
 
 
 def read_ranges(ranges: list[tuple[str, int, int]]) -> Iterator[bytes]:
@@ -368,6 +373,10 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
     missing), its held-out plays the set TINY_EVAL_LABEL unless --eval_data names others (relative to the
     working directory); otherwise it is the folder that relative paths of --data, --eval_data and the mix
     file's lines are under, and must exist."""
+    if spec == "tiny" and is_url(data_root):
+        raise DataError(
+            f"--data tiny prepares its corpus in a local folder; --data_root {data_root} is a URL"
+        )
     if spec == "tiny":
         prepared = prepare_tiny(data_root or TINY_DIR)
         held_out = eval_sets(eval_spec, "") if eval_spec else {TINY_EVAL_LABEL: prepared["val"]}
