@@ -832,7 +832,8 @@ def make_loader(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, files: list[str]
     file_seed = None if cfg.file_seed < 0 else cfg.file_seed
     say(f"packing the documents of {len(files)} files into instances of {cfg.seq_len} tokens ...")
     packing = dict(eos_id=eos, pad_id=pad, group_size=cfg.pack_files, file_seed=file_seed)
-    return data.PackedLoader(files, cfg.seq_len, cfg.global_batch, **packing, **kw)
+    share = (jax.process_index(), jax.process_count())  # a first start's scan, divided among the hosts
+    return data.PackedLoader(files, cfg.seq_len, cfg.global_batch, **packing, **kw, share=share)
 
 
 def downstream_tasks(

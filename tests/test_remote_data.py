@@ -241,6 +241,25 @@ def test_the_packing_cache_is_olmo_core_s_file_for_file_and_either_reads_the_oth
     assert len(packed) == len(ref)
 
 
+def test_each_host_scans_its_share_of_the_groups_first_and_reads_the_rest(tmp_path, monkeypatch):
+    """Of a pod's first start, host 1 of 2 scans groups 1 and 3 first, then the others it finds no cache of;
+    host 0, later, finds every group cached and scans nothing."""
+    paths = write_documents(tmp_path / "mix", tokens=(300, 400, 500, 600, 700, 800, 900, 1000))
+    scanned, document_spans = [], data.document_spans
+
+    def counted(tokens, path, *args):
+        scanned.append(path)
+        return document_spans(tokens, path, *args)
+
+    monkeypatch.setattr(data, "document_spans", counted)
+    work = str(tmp_path / "run" / "data")
+    one = data.PackedInstances(paths, SEQ, EOS, PAD, DTYPE, 2, work_dir=work, share=(1, 2))
+    assert scanned == [paths[k] for k in (2, 3, 6, 7, 0, 1, 4, 5)]
+    scanned.clear()
+    zero = data.PackedInstances(paths, SEQ, EOS, PAD, DTYPE, 2, work_dir=work, share=(0, 2))
+    assert scanned == [] and [s.tolist() for s in zero.spans] == [s.tolist() for s in one.spans]
+
+
 def test_a_server_failing_a_quarter_of_requests_with_503_gives_the_same_batches(tmp_path, http_server):
     """Timeouts and 5xx are retried with backoff (HEADs by us, reads by TensorStore): the batches and held-out
     rows are numpy's though a quarter of all requests fail."""
