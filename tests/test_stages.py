@@ -153,7 +153,7 @@ def test_a_stage_start_is_refused_in_one_line_before_anything_is_written(
         ),
         (weights, [], f"{weights / 'checkpoints' / '0'} holds weights only (no Adam state to carry over)"),
         (f"{run1}@7", [], f"{run1 / 'checkpoints'} has no checkpoint at step 7 (steps: [30, 40])"),
-        (f"{hf}@7", [], f"@7 names a checkpoint of one of our run directories; {hf} is hf's"),
+        (f"{hf}@7", [], f"@7 names a checkpoint of one of our run directories; {hf} is "),
         (nowhere, [], f"{nowhere} does not exist: expected one of our run directories (checkpoints/)"),
     ]:
         err = refused(capsys, [*argv, *extra, "--init_from", str(source)], stage2.run_dir)
