@@ -558,6 +558,7 @@ def test_a_sharded_start_reads_each_process_s_shards_only(tmp_path, tiny_data):
     pair = launch(tmp_path / "two", 2, tiny_data, processes=2, flags=flags)
     single = launch(tmp_path / "one", 2, tiny_data, processes=1, flags=flags)
     outs, (one,) = finish(pair), finish(single)
+    assert "mesh {'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1} over 8 devices in 2 processes" in outs[0]
     said = re.compile(
         rf"starting from {tmp_path / 'hf'} \(hf: weights only: Adam from zero\); this process read "
         r"([\d,.]+) MiB of the ([\d,.]+) MiB of it"
