@@ -580,9 +580,7 @@ class TokenLoader(GlobalOrder):
         super().__init__(int(self.offsets[-1]), global_batch_size, seed, epoch, work_dir, what)
         if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
             for p, head in zip(self.paths, heads):
-                _check_ids(
-                    np.frombuffer(head, self.dtype, len(head) // self.dtype.itemsize), vocab_size, p, 0
-                )
+                _check_ids(np.frombuffer(head, self.dtype), vocab_size, p, 0)
         self.fingerprint = self.order_fingerprint(self.paths, tokens, seq_len, self.dtype)
 
     def where(self, j: int) -> tuple[str, int]:
