@@ -686,8 +686,8 @@ def main(cfg: TrainConfig) -> int:
     announce(cfg, mesh, model_cfg, compute)
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, target)
+    check_start(cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
     run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
-    check_start(run.cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
     cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
         open_run_dir(run)
@@ -978,7 +978,10 @@ def init_source(cfg: TrainConfig) -> tuple[str, str, int | None]:
     path, step = (at[1], int(at[2])) if at else (cfg.init_from, None)
     kind = ckpt.format_of(path)
     if step is not None and kind != "run":
-        raise ValueError(f"@{step} names a checkpoint of one of our run directories; {path} is {kind}'s")
+        what = {"hf": "a Hugging Face directory", "olmo-core": "an OLMo-core step directory"}[kind]
+        raise ValueError(
+            f"@{step} names a checkpoint of one of our run directories; {path} is {what}, one state"
+        )
     return path, kind, step
 
 
