@@ -1,6 +1,8 @@
-"""Each bench script at its smallest size: it runs through and prints its table (its numbers mean nothing on
-CI's CPU, so they are not checked). bench/reference.py is run by tests/test_reference.py."""
+"""Each bench script at its smallest size: it runs through and prints its table, every row with its figures
+(what they are is not checked: they mean nothing on CI's CPU). bench/reference.py is run by
+tests/test_reference.py, bench/compare.py by tests/test_compare.py."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,18 +29,82 @@ def test_speed_cpu_comparison_prints_both_systems_the_ratio_and_determinism():
     assert "\ndeterminism: losses bitwise equal" in out, out  # the CPU's XLA ops are deterministic
 
 
-def test_speed_gpu_path_runs_through_at_a_cpu_s_size():
-    out = bench("speed.py", "--gpu", "--small", "--only", "determinism")
-    assert "\nsystem " in out and "\ndeterminism run 1 " in out and "\ndeterminism run 2 " in out, out
-    assert "\ndeterminism: losses " in out
+# bench/speed.py --gpu --small: each section's title, then its rows by system, then its closing lines.
+GPU_SECTIONS = [
+    (
+        "8 layers at 7B width, seq 256, batch 1",
+        [
+            "olmo3-jax (cudnn window, no remat)",
+            "transformers eager (sdpa, autocast bf16)",
+            "transformers + torch.compile (aot_eager)",
+        ],
+        ["ratio ours/transformers-eager = ", "ratio ours/transformers-compiled = "],
+    ),
+    (
+        "the full 7B on one chip: microbatch 1 x 256, 8 accumulated, remat full",
+        ["olmo3-jax 7b preset (remat full)", "transformers, gradient checkpointing"],
+        ["ratio ours/transformers-checkpointing = "],
+    ),
+    (
+        "levers, 8 layers at 7B width, seq 256, batch 1",
+        [
+            "default: cudnn, remat none",
+            "remat save_matmuls",
+            "remat save_attention",
+            "remat full",
+            "fused loss in chunks of 1024",
+            "scan_unroll 2",
+            "attention reference (XLA)",
+            "heads 2x128 (cudnn)",
+            "heads 2x128 (XLA)",
+        ],
+        [],
+    ),
+    (
+        "determinism: two fresh runs of 4 layers, batch 1 x 256",
+        ["determinism run 1", "determinism run 2"],
+        ["determinism: losses bitwise equal: "],  # the CPU's XLA ops are deterministic
+    ),
+]
 
 
-def test_dry_run_prints_a_row_train_py_refuses_as_an_error_in_its_table():
-    """bench/dry_run.py end to end on a row train.py refuses at once (a row that compiles: tests/test_compile.py
-    reads a TPU dry run's report with dry_run.report and writes its table row)."""
-    out = bench("dry_run.py", "--row", "tiny v5litepod-4 --no_such_flag 1").splitlines()
-    assert out[0].startswith("| preset | slice | flags |") and out[1].startswith("|---|")
+def test_speed_gpu_path_runs_through_every_section_at_a_cpu_s_size(tmp_path):
+    """Each section prints its table, a row of figures for every system (on the CPU every lever compiles, so a
+    lever's "failed" row is a bug), and its ratios."""
+    out = bench("speed.py", "--gpu", "--small", "--json", str(tmp_path / "rows.json"))
+    blocks = out.strip().split("\n\n")
+    assert blocks[0].startswith("jax ") and len(blocks) == 1 + len(GPU_SECTIONS), out
+    for block, (title, systems, closing) in zip(blocks[1:], GPU_SECTIONS, strict=True):
+        lines = block.splitlines()
+        assert lines[0].startswith(title) and lines[1].split()[:3] == ["system", "tokens/s", "step"], block
+        rows, rest = lines[2 : 2 + len(systems)], lines[2 + len(systems) :]
+        assert [row[:44].rstrip() for row in rows] == systems, block
+        for row in rows:  # tokens/s, step s, MFU ("-" without a peak), peak memory, compile s
+            assert "failed:" not in row and len(row[44:].split()) == 5, row
+            tokens_s, step_s, _, mem, _ = row[44:].split()
+            assert float(tokens_s.replace(",", "")) > 0 and float(step_s) > 0 and float(mem) > 0, row
+        assert len(rest) == len(closing), block
+        assert all(line.startswith(start) for line, start in zip(rest, closing, strict=True)), block
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["system"] for r in rows] == [name for _, systems, _ in GPU_SECTIONS for name in systems]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+
+
+def test_dry_run_prints_a_row_that_fits_and_a_row_train_py_refuses_in_its_table():
+    """bench/dry_run.py end to end at its smallest: the tiny preset compiled for the smallest TPU slice by
+    libtpu, and a row train.py refuses at once, shown as an error in its table."""
+    fits, refused = (
+        "tiny v5litepod-4 --mesh=fsdp=2,tensor=2 --dtype bfloat16",
+        "tiny v5litepod-4 --no_such_flag 1",
+    )
+    out = bench("dry_run.py", "--row", fits, "--row", refused).splitlines()
+    assert out[0].startswith("| preset | slice | flags |") and out[1].startswith("|---|") and len(out) == 4
     row = out[2].split(" | ")
+    assert row[:3] == ["| tiny", "v5litepod-4", "--mesh=fsdp=2,tensor=2 --dtype bfloat16"], out
+    state, activations, total, hbm = map(float, row[3:7])  # GiB a device
+    assert 0 < total < hbm == 15.8 and state >= 0 and activations >= 0, out  # 15.75: a v5e chip's HBM
+    assert row[7].startswith("fits, with ") and row[7].endswith(" GiB to spare"), out
+    row = out[3].split(" | ")
     assert row[:3] == ["| tiny", "v5litepod-4", "--no_such_flag 1"], out
     assert row[7] == "error: error: unknown flag --no_such_flag; see --help", out
 
@@ -82,13 +148,3 @@ def test_downstream_prints_ours_beside_the_reference_and_the_speeds(tmp_path, ti
         "| downstream evaluation, 2 tasks at 256 | ",
     ]:
         assert f"\n{line}" in out, out
-
-
-@pytest.mark.slow
-def test_fp8_prints_the_three_policies_side_by_side(tiny_data):
-    args = ["--steps", "3", "--seq_len", "256", "--global_batch", "2", "--held_out", "512"]
-    out = bench("fp8.py", *args, "--data_root", str(tiny_data)).splitlines()
-    table = [line.split(" | ") for line in out if line.startswith("| ")]
-    assert [row[0] for row in table[1:]] == ["| fp32", "| bf16", "| bf16 + fp8"], out
-    bf16 = table[2]
-    assert (bf16[2], bf16[4]) == ("0.0000", "100.00%"), out  # the bf16 run against itself

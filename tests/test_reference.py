@@ -114,10 +114,41 @@ def test_a_difference_on_our_side_fails_at_the_first_step(tmp_path):
     assert result["failures"][0].startswith("step 1: loss") and "FAILED: step 1: loss" in proc.stdout
 
 
-def test_the_trainers_are_compared_by_their_mean_held_out_loss_against_their_own_spread():
+def load_reference():
     spec = importlib.util.spec_from_file_location("reference", ROOT / "bench" / "reference.py")
     reference = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reference)
+    return reference
+
+
+@pytest.mark.parametrize("tokenizer", ["dolma2", "tiny"])
+def test_the_held_out_sets_at_the_defaults_fit_the_corpus(tmp_path, tokenizer, request):
+    """The sets bench/reference.py reads at its defaults (the tests run it smaller), on the corpus it writes:
+    each set's token files hold a sequence of its length, the long one the public figure's 8192 tokens where a
+    held-out scene is that long, else nearly as long as the longest."""
+    reference = load_reference()
+    if tokenizer == "tiny":  # the session's tiny BPE, where the script would train its own
+        (tmp_path / "tiny").symlink_to(request.getfixturevalue("tiny_data"))
+    args = reference.parser().parse_args([f"--out={tmp_path}", f"--tokenizer={tokenizer}"])
+    tok = reference.get_tokenizer(args.tokenizer, tmp_path)
+    files = reference.write_corpus(tmp_path / tok.name, tok)
+    sets = reference.held_out_sets(args, files, tmp_path, tok.vocab_size)
+    assert [s["length"] for s in sets[:2]] == [args.seq_len] * 2
+    dtype = data.dtype_for_vocab(tok.vocab_size)
+    for s in sets:  # as compare.compare reads them; a DataError if no file holds one sequence
+        loader = data.TokenLoader(s["files"], s["length"], 1, dtype=dtype)
+        assert loader.num_instances >= s["tokens"] // s["length"] >= 1, s
+    longest = max(len(np.fromfile(f, dtype)) for f in files["val"])
+    long = sets[-1]["length"]
+    if longest >= 8192:
+        assert long == 8192
+    else:
+        assert longest - args.window < long <= longest
+    assert long % args.window == 0  # the "local" kernel then reads the sliding layers in blocks
+
+
+def test_the_trainers_are_compared_by_their_mean_held_out_loss_against_their_own_spread():
+    reference = load_reference()
     theirs, ours = [5.20, 5.23, 5.21], [5.19, 5.22]
     e = {"fp32": {"ref_loss": theirs[0], "cand_loss": ours[0]}}
     noise = {
@@ -138,9 +169,7 @@ def test_the_trainers_are_compared_by_their_mean_held_out_loss_against_their_own
 
 
 def test_bf16_steps_are_judged_against_what_bf16_costs_either_side():
-    spec = importlib.util.spec_from_file_location("reference", ROOT / "bench" / "reference.py")
-    reference = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reference)
+    reference = load_reference()
     row = lambda loss, grad_norm, lr=1e-3: dict(
         hash=1, lr=lr, loss=loss, grad_norm=grad_norm, skipped=False, filtered=0
     )
