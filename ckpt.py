@@ -1,6 +1,6 @@
 """What a run leaves on disk and the formats it converts (the only file that imports orbax; it never imports
-train.py). Under its headings: the run directory (the lock that gives it one writer, log.txt, preemption),
-the metrics log and plots, the Orbax checkpoints of the training state, the Hugging Face format in and out,
+train.py). Under its headings: the run directory (a local folder or gs://BUCKET/PATH; the lock that gives it
+one writer, log.txt, the --profile trace, preemption), the metrics log and plots, the Orbax checkpoints of the training state, the Hugging Face format in and out,
 the OLMo-core format in (with its Adam state), averaging two runs, and the command line. train.py reads a
 stage's start (--init_from) through the readers here, each process its own shards.
 
@@ -11,16 +11,19 @@ stage's start (--init_from) through the readers here, each process its own shard
 
 A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
 that stopped the run), `lock` while a run writes to it, with --wandb `wandb_id` (the W&B run it continues)
-and `wandb/` (wandb's own files), and `checkpoints/<step>/` with three Orbax items:
+and `wandb/` (wandb's own files), with --profile `profile/`, and `checkpoints/<step>/` with three Orbax items:
 `model` (parameters), `train` (optimizer state with the skip-step window, RNG key) and `meta` (JSON: the
-config, the data fingerprint and a checksum per array). Orbax commits atomically but does not validate what
-it reads back, so the checksums are ours; a checkpoint that fails them is moved to `quarantined/`.
+config, the data fingerprint and a checksum per array). Orbax commits a step by writing its marker,
+`commit_success.txt`, last (COMMIT: no folder is renamed, which Cloud Storage and gcsfuse cannot do), but
+does not validate what it reads back, so the checksums are ours; a checkpoint that fails them is moved to
+`quarantined/`. Every command takes a gs:// run directory as it takes a local one.
 """
 
 import argparse
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import io
 import json
 import logging
@@ -33,6 +36,8 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
+import threading
 import time
 import zipfile
 from collections import deque
@@ -43,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from tqdm import tqdm
 
 import data
@@ -51,7 +57,8 @@ import shard
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
-# The run directory: one writer at a time (the lock), log.txt, the run's files, preemption.
+# The run directory: where it lives (a local folder or gs://BUCKET/PATH), one writer at a time (the lock),
+# log.txt, the run's files, preemption.
 
 
 class RunDirError(RuntimeError):
@@ -69,16 +76,198 @@ def _unwritable(run_dir, e: OSError) -> RunDirError:
     )
 
 
+GCS_EXTRA = "pip install -e '.[gcs]'"
+COMMIT_MARKER = "commit_success.txt"  # Orbax's: a step directory without it is an unfinished write
+
+
+def is_gcs(path) -> bool:
+    return str(path).startswith("gs://")
+
+
+def run_path(path):
+    """A run directory, or a path in one: pathlib's Path for a local folder, etils.epath's for
+    gs://BUCKET/PATH (Orbax's own path type, which reaches Cloud Storage through gcsfs). The two answer the
+    same calls (/, exists, is_dir, iterdir, glob, read_text, write_text, open), so the code that writes a run
+    directory is one code; the few things an object store does otherwise (no append, no rename, a lock by
+    precondition) are the helpers below."""
+    if not is_gcs(path):
+        return Path(path)
+    if importlib.util.find_spec("gcsfs") is None:
+        raise RunDirError(f"{path}: a gs:// run directory needs gcsfs and google-cloud-storage: {GCS_EXTRA}")
+    import fsspec
+
+    # gcsfs caches listings for the life of a process, but other processes and hosts write here too (Orbax's
+    # steps, the lock): every listing must ask the bucket. Set before the first gs:// filesystem is made.
+    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+    return epath.Path(str(path))
+
+
+@functools.cache
+def _storage_client():
+    """google-cloud-storage's client, for what a path cannot ask: preconditions, compose, copies, sizes."""
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud import storage
+
+    try:
+        return storage.Client()
+    except DefaultCredentialsError as e:
+        raise RunDirError(
+            f"a gs:// run directory needs Google credentials ({e}); expected a VM's service account or "
+            "`gcloud auth application-default login`"
+        ) from None
+
+
+def _blob(path):
+    """The Cloud Storage object at gs://BUCKET/NAME."""
+    bucket, _, name = str(path).removeprefix("gs://").partition("/")
+    return _storage_client().bucket(bucket).blob(name)
+
+
+def _objects(folder) -> list:
+    """Every object under gs://BUCKET/FOLDER/, with its size."""
+    prefix = _blob(folder)
+    return list(_storage_client().list_blobs(prefix.bucket, prefix=prefix.name.rstrip("/") + "/"))
+
+
+def write_whole(path, text: str) -> None:
+    """Replace a small file whole: readers see the old one or the new one, never a torn write (a local file
+    is written beside it and renamed; a Cloud Storage object is only ever seen whole)."""
+    if is_gcs(path):
+        run_path(path).write_text(text)
+    else:
+        data.write_atomic(path, text)
+
+
+def append_text(path, text: str) -> None:
+    """Add `text` to the end of a file. A Cloud Storage object cannot be appended to: the text is uploaded as
+    an object of its own, then composed onto the end of the file's object (GCS's own append: the server
+    concatenates, so nothing already written is sent again, and the file is seen before or after, whole)."""
+    if not is_gcs(path):
+        with open(path, "a") as f:
+            f.write(text)
+        return
+    whole, part = _blob(path), _blob(f"{path}.part-{os.urandom(6).hex()}")
+    if not whole.exists():
+        whole.upload_from_string(text)
+        return
+    part.upload_from_string(text)
+    whole.compose([whole, part])
+    part.delete()
+
+
+def remove_tree(path) -> None:
+    """Remove a folder and everything in it, if it is there."""
+    if is_gcs(path):
+        for blob in _objects(path):
+            blob.delete()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def move_tree(source, target) -> None:
+    """Move a checkpoint's folder. A local one is renamed (or, where renames fail, as on a gcsfuse mount,
+    copied and removed: shutil.move). Cloud Storage renames nothing: every object is copied on the server,
+    then the commit marker is removed first, so that from then on the source is no checkpoint, then the
+    rest. A kill midway leaves the copy, or the source whole, or an unfinished write that Orbax removes."""
+    if not is_gcs(source):
+        shutil.move(str(source), str(target))
+        return
+    blobs, name, to = _objects(source), _blob(source).name.rstrip("/"), _blob(target).name.rstrip("/")
+    for blob in blobs:
+        blob.bucket.copy_blob(blob, blob.bucket, to + blob.name.removeprefix(name))
+    for blob in sorted(blobs, key=lambda b: not b.name.endswith("/" + COMMIT_MARKER)):
+        blob.delete()
+
+
+def size_of(folder) -> int:
+    """Bytes in the files under a folder."""
+    if is_gcs(folder):
+        return sum(blob.size for blob in _objects(folder))
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def upload_tree(local: str, target) -> None:
+    """Copy every file under the local folder `local` to the folder `target` (a run directory's, local or
+    gs://), keeping their relative paths."""
+    for parent, _, names in os.walk(local):
+        for name in names:
+            file = Path(parent) / name
+            dest = run_path(target) / str(file.relative_to(local))
+            if not is_gcs(target):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(file.read_bytes())
+
+
+@contextlib.contextmanager
+def local_copy(path):
+    """A local path to read the file `path` at: itself, or a temporary copy of a gs:// object."""
+    if not is_gcs(path):
+        yield str(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, run_path(path).name)
+        Path(copy).write_bytes(run_path(path).read_bytes())
+        yield copy
+
+
+class Profile:
+    """--profile START:STEPS: jax.profiler traces steps START ... START + STEPS - 1, from the dispatch of the
+    first to the arrival of the last one's numbers, into RUN_DIR/profile/plugins/profile/<time>/, where
+    TensorBoard's profile plugin and XProf look: <host>.xplane.pb (trace viewer, op profile, memory) and
+    perfetto_trace.json.gz (ui.perfetto.dev opens it). Every process traces its own devices. The profiler
+    writes local files, so a gs:// run directory's trace is written to a local folder, then uploaded. An empty
+    `spec` traces nothing."""
+
+    def __init__(self, spec: str, run_dir: str):
+        start, steps = map(int, spec.split(":")) if spec else (0, 0)
+        self.first, self.last, self.run_dir, self.folder = start, start + steps - 1, run_dir, None
+
+    def dispatching(self, step: int) -> None:
+        if step == self.first:
+            local = tempfile.mkdtemp(prefix="olmo3-profile-") if is_gcs(self.run_dir) else None
+            self.folder = local or f"{self.run_dir}/profile"
+            jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
+
+    def finished(self, step: int) -> None:
+        if step != self.last or self.folder is None:
+            return
+        jax.profiler.stop_trace()
+        target = f"{self.run_dir}/profile"
+        if is_gcs(self.run_dir):
+            upload_tree(self.folder, target)
+            shutil.rmtree(self.folder)
+        self.folder = None
+        if jax.process_index() == 0:
+            print(
+                f"profile of steps {self.first}-{self.last} in {target}: `xprof --logdir={target}` (pip install "
+                "xprof), or its perfetto_trace.json.gz at ui.perfetto.dev",
+                flush=True,
+            )
+
+
+LOCK_LEASE_S = 300  # a gs:// lock its holder has not renewed for this long is stale: taken over
+LOCK_RENEW_S = 30  # how often the holder of a gs:// lock renews it
+
+
 class RunLock:
     """One writer per run directory. RUN_DIR/lock names its holder (host, process id and start time, job);
-    a second process refuses at once, naming it. A lock left by a process that is gone (killed on this
-    host) is taken over; one held on another host is refused (its process cannot be checked from here).
-    With several processes, process 0 takes the lock for the job and the others check that it is theirs.
-    A directory no one can write to (a read-only mount) needs no lock: reading it is safe, and whatever
-    would write there is refused then, in one line."""
+    a second process refuses at once, naming it. The lock is a file (an object) created only if absent: an
+    O_EXCL open locally, a generation precondition on Cloud Storage; of two processes, one wins.
+
+    A lock whose holder is gone is taken over. On this host that is told by its process. Locally, a lock held
+    on another host is refused (its process cannot be checked from here). On gs://, where a restarted job
+    comes back on other hosts, the holder renews its lock every LOCK_RENEW_S seconds, and a lock not renewed
+    for LOCK_LEASE_S is stale. A stale lock is replaced only at the generation it was read at, so of two
+    processes taking it over, one wins; a holder that finds its lock taken over (it was cut off for longer
+    than the lease) stops at once rather than write beside the new one.
+
+    With several processes, process 0 takes the lock for the job and the others check that it is theirs. A
+    directory no one can write to (a read-only mount or bucket) needs no lock: reading it is safe, and
+    whatever would write there is refused then, in one line."""
 
     def __init__(self, run_dir):
-        self.path, self.held = Path(run_dir) / "lock", None
+        self.path, self.held, self.generation = run_path(run_dir) / "lock", None, None
+        self.renewing, self.renewer = threading.Event(), None
 
     def __enter__(self):
         from jax.experimental import multihost_utils
@@ -100,7 +289,7 @@ class RunLock:
             )
         if error:
             raise error
-        if many and (self._holder() or {}).get("job") != job:
+        if many and (self._read()[0] or {}).get("job") != job:
             raise RunDirBusy(
                 f"{self.path} does not hold this job's lock: is {self.path.parent} on storage "
                 "that every host shares?"
@@ -108,18 +297,74 @@ class RunLock:
         return self
 
     def __exit__(self, *exc):
-        if self.held and self._holder() == self.held:
+        if self.renewer is not None:  # stopped, and its renewal in flight finished: the generation is final
+            self.renewing.set()
+            self.renewer.join()
+        if self.held and not is_gcs(self.path) and self._read()[0] == self.held:
             self.path.unlink()
+        elif self.held and is_gcs(self.path):
+            self._release()
         self.held = None
 
-    def _holder(self) -> dict | None:
+    def _release(self) -> None:
+        """Remove a gs:// lock that is still this process's, at the generation it last wrote; one taken over
+        is the new holder's. (Read first as well: a local GCS emulator ignores a delete's precondition.)"""
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        if self._read()[1] == self.generation:
+            with contextlib.suppress(NotFound, PreconditionFailed):  # replaced since it was read: not ours
+                _blob(self.path).delete(if_generation_match=self.generation)
+
+    def _read(self) -> tuple[dict | None, int | None]:
+        """The lock's holder (None: no lock, or one cut short) and, on gs://, the generation it was read at."""
+        if not is_gcs(self.path):
+            try:
+                return json.loads(self.path.read_text()), None
+            except (FileNotFoundError, json.JSONDecodeError):
+                return None, None
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        blob = _blob(self.path)
         try:
-            return json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+            blob.reload()
+            text = blob.download_as_text(if_generation_match=blob.generation)
+        except (NotFound, PreconditionFailed):  # gone, or replaced while read: as if absent, look again
+            return None, None
+        try:
+            return json.loads(text), blob.generation
+        except json.JSONDecodeError:
+            return None, blob.generation
 
     def _take(self, job: str) -> None:
+        if not self._writable():  # no process can write here, so none needs the lock
+            return
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _start_time(os.getpid()),
+            "job": job,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "renewed": time.time(),
+        }
+        seen = 0  # the lock there is to replace: 0, none; else a stale one, as read (its generation on gs://)
+        for _ in range(3):
+            if self._put(me, seen):
+                self.held = me
+                if is_gcs(self.path):
+                    self.renewer = threading.Thread(target=self._renew_until_released, daemon=True)
+                    self.renewer.start()
+                return
+            holder, generation = self._read()
+            if holder and not self._stale(holder, me):
+                raise RunDirBusy(self._busy(holder, me))
+            seen = generation if is_gcs(self.path) else "stale"  # (gone since: generation None, look again)
+        raise RunDirBusy(f"{self.path.parent}: could not take {self.path}; another process keeps taking it")
+
+    def _writable(self) -> bool:
+        """Whether the run directory can be written (made here, where it is a new local one)."""
         run_dir = self.path.parent
+        if is_gcs(run_dir):  # a bucket without write permission is found where the lock is created
+            return True
         if run_dir.exists() and not run_dir.is_dir():
             raise RunDirError(
                 f"--run_dir {run_dir} is a file; expected a directory (or a path to create one at)"
@@ -128,34 +373,83 @@ class RunLock:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunDirError(f"--run_dir {run_dir}: cannot create it ({e.strerror or e})") from None
-        if not os.access(run_dir, os.W_OK):  # read-only: no process can write here, so none needs the lock
-            return
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": _start_time(os.getpid()),
-            "job": job,
-            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-        for _ in range(3):
+        return os.access(run_dir, os.W_OK)
+
+    def _put(self, me: dict, seen) -> bool:
+        """Write the lock naming `me` where there is none (`seen` 0) or the stale one `seen` is still there;
+        False if another is there: of two processes, one wins. Locally the stale lock is set aside by a rename
+        (one process does it) and the lock created only if absent (O_EXCL). On gs:// the object is written only
+        at the generation seen (0: none), a single request that replaces a stale lock with no moment between."""
+        if not is_gcs(self.path):
+            if seen:
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(self.path, self.path.with_name(f"lock.stale-{os.getpid()}"))
+                    os.remove(self.path.with_name(f"lock.stale-{os.getpid()}"))
             try:
-                with open(self.path, "x") as f:  # created only if absent: one process wins
+                with open(self.path, "x") as f:
                     json.dump(me, f)
-                self.held = me
-                return
+                return True
             except FileExistsError:
-                holder = self._holder()
-            if holder and (holder["host"] != me["host"] or _start_time(holder["pid"]) == holder["started"]):
-                where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
-                raise RunDirBusy(
-                    f"{self.path.parent} is in use by process {holder['pid']}{where} (since "
-                    f"{holder['since']}); wait for it, use another --run_dir, or, if that process "
-                    f"is gone, remove {self.path}"
-                )
-            with contextlib.suppress(FileNotFoundError):  # gone (a crash): set its lock aside and retry
-                os.replace(self.path, self.path.with_name(f"lock.stale-{os.getpid()}"))
-                os.remove(self.path.with_name(f"lock.stale-{os.getpid()}"))
-        raise RunDirBusy(f"{self.path.parent}: could not take {self.path}; another process keeps taking it")
+                return False
+        from google.api_core.exceptions import Forbidden, NotFound, PreconditionFailed
+
+        blob = _blob(self.path)
+        try:
+            blob.upload_from_string(json.dumps(me), if_generation_match=seen or 0)
+        except PreconditionFailed:
+            return False
+        except (NotFound, Forbidden) as e:
+            raise RunDirError(
+                f"--run_dir {self.path.parent}: cannot create {self.path} ({e.code} {e.message}); expected an "
+                "existing bucket this account may write to"
+            ) from None
+        self.generation = blob.generation
+        return True
+
+    def _stale(self, holder: dict, me: dict) -> bool:
+        """Whether the holder is gone: its process, on this host; on gs://, a lease not renewed in time."""
+        if holder["host"] == me["host"]:
+            return _start_time(holder["pid"]) != holder["started"]
+        return is_gcs(self.path) and time.time() - holder.get("renewed", 0) > LOCK_LEASE_S
+
+    def _busy(self, holder: dict, me: dict) -> str:
+        where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
+        lease = ""
+        if is_gcs(self.path) and holder["host"] != me["host"]:
+            ago = time.time() - holder.get("renewed", 0)
+            lease = f", renewed {ago:.0f} s ago: taken over once not renewed for {LOCK_LEASE_S} s"
+        return (
+            f"{self.path.parent} is in use by process {holder['pid']}{where} (since {holder['since']}{lease}); "
+            f"wait for it, use another --run_dir, or, if that process is gone, remove {self.path}"
+        )
+
+    def renew(self) -> None:
+        """Renew a gs:// lock's lease, at the generation it was last written at; RunDirBusy if another process
+        has taken it over since."""
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        self.held = dict(self.held, renewed=time.time())
+        blob = _blob(self.path)
+        try:
+            blob.upload_from_string(json.dumps(self.held), if_generation_match=self.generation)
+        except (NotFound, PreconditionFailed):
+            raise RunDirBusy(
+                f"{self.path} was taken over by another process (this one did not renew it for "
+                f"{LOCK_LEASE_S} s): stopping rather than write beside it"
+            ) from None
+        self.generation = blob.generation
+
+    def _renew_until_released(self) -> None:
+        """The lease, renewed in the background until __exit__. A renewal that fails (the network) is said and
+        tried again; a lock taken over ends the process at once (exit 1): two writers would corrupt the run."""
+        while not self.renewing.wait(LOCK_RENEW_S):
+            try:
+                self.renew()
+            except RunDirBusy as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                os._exit(1)
+            except Exception as e:  # a network error: the next renewal may succeed
+                print(f"warning: could not renew {self.path} ({_cause(e)}); trying again", file=sys.stderr)
 
 
 def _start_time(pid: int) -> str | None:
@@ -179,10 +473,10 @@ def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: 
     if jax.process_index() != 0:
         return
     try:
-        data.write_atomic(Path(run_dir) / "config.json", json.dumps(config, indent=2))
+        write_whole(run_path(run_dir) / "config.json", json.dumps(config, indent=2))
         tiny = data.tiny_tokenizer_file(tokenizer_path)
         if tokenizer == "tiny" and os.path.exists(tiny):
-            data.write_atomic(Path(run_dir) / "tokenizer.json", Path(tiny).read_text())
+            write_whole(run_path(run_dir) / "tokenizer.json", Path(tiny).read_text())
     except OSError as e:
         raise _unwritable(run_dir, e) from e
 
@@ -197,10 +491,9 @@ def log_error(run_dir, what: str, e: BaseException) -> None:
 
     story = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{''.join(traceback.format_exception(e))}\n"
     try:
-        with open(Path(run_dir) / "log.txt", "a") as f:
-            f.write(story)
-    except OSError as failed:
-        print(f"also: could not write {Path(run_dir) / 'log.txt'}: {failed}", file=sys.stderr)
+        append_text(run_path(run_dir) / "log.txt", story)
+    except Exception as failed:  # said, never raised over the error being reported
+        print(f"also: could not write {run_path(run_dir) / 'log.txt'}: {failed}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -212,14 +505,15 @@ def errors_logged(run_dir, unless: tuple = ()):
     try:
         yield
     except Exception as e:
-        if not isinstance(e, (RunDirError, *unless)) and (Path(run_dir) / "config.json").is_file():
+        if not isinstance(e, (RunDirError, *unless)) and (run_path(run_dir) / "config.json").is_file():
             log_error(run_dir, "the run stopped", e)
         raise
 
 
 class Preemption:
     """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
-    (Orbax commits by rename, so the last committed checkpoint is never harmed). With several processes,
+    (a checkpoint counts only once Orbax has written its commit marker, so the last committed one is never
+    harmed). With several processes,
     JAX's preemption service tells every process the same step instead (a Python handler here would
     silently disable it). Installed before restoring and compiling, which take minutes at scale."""
 
@@ -311,21 +605,37 @@ class WandbRun:
     batch: int  # instances per step
 
 
+METRICS_FLUSH_S = 10.0  # on gs://, rows are stored at most this often (and before each checkpoint)
+
+
 class MetricsLog:
     """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (its keys eval_loss, eval/...), as
     of the checkpoint the run continues from; optionally TensorBoard and Weights & Biases too. Only process 0
-    writes."""
+    writes.
 
-    def __init__(self, run_dir: Path, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
-        self.path, self.lead = run_dir / "metrics.jsonl", lead
+    A local file has each row as it comes. A Cloud Storage object cannot be appended to, so on gs:// rows are
+    held and stored a batch at a time by append_text (uploaded, then composed onto the end of the object on the
+    server: no row is sent twice, and readers see the file whole): every METRICS_FLUSH_S seconds at most (GCS
+    takes about one write a second to an object), before each checkpoint (flush, which train.py's save calls)
+    and at close. A kill -9 so loses only rows past the newest checkpoint, which the resume takes again, and
+    rewind drops the rows stored past it: after kills and resumes the file holds one row per step, as a local
+    one does."""
+
+    def __init__(self, run_dir, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
+        self.path, self.lead = run_path(run_dir) / "metrics.jsonl", lead
         self.tensorboard, self.wandb = tensorboard, wandb
         self.file = self.tb = self.wb = None
+        self.opened, self.pending, self.flushed = False, [], time.monotonic()
         self.wb_held = -1  # the last step the W&B run holds
 
     def rewind(self, step: int) -> None:
         """Drop the rows past `step` (the steps about to be taken again): atomically, the old file kept until
         the new one is complete. A torn last line goes too."""
-        if not self.lead or not self.path.exists():
+        if not self.lead:
+            return
+        for part in self.path.parent.glob(f"{self.path.name}.part-*") if is_gcs(self.path) else ():
+            part.unlink()  # an upload a kill left before it was composed: rows past the checkpoint
+        if not self.path.exists():
             return
         rows, text = [], self.path.read_text()
         for line in text.splitlines():
@@ -338,32 +648,34 @@ class MetricsLog:
         if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
             return
         try:
-            data.write_atomic(self.path, "".join(rows))
+            write_whole(self.path, "".join(rows))
         except OSError as e:
             raise _unwritable(self.path.parent, e) from e
 
     def open(self) -> None:
         """Open what the rows go to: at the first row, or before (a run about to train opens it before its
         step compiles, so that W&B refusing it, say for want of a key, costs no compilation)."""
-        if not self.lead or self.file is not None:
+        if not self.lead or self.opened:
             return
         if self.wandb:  # first: it sends the rows already written that W&B lacks
             self.open_wandb()
         try:
-            self.file = open(self.path, "a")  # noqa: SIM115 - closed by close()
+            self.file = None if is_gcs(self.path) else open(self.path, "a")  # noqa: SIM115 - closed by close()
         except OSError as e:
             raise _unwritable(self.path.parent, e) from e
         if self.tensorboard:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(self.path.parent / "tb"))
+        self.opened = True
 
     def write(self, row: dict) -> None:
         if not self.lead:
             return
         self.open()
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        self.pending.append(json.dumps(row) + "\n")
+        if self.file is not None or time.monotonic() - self.flushed >= METRICS_FLUSH_S:
+            self.flush()
         for k, v in row.items() if self.tb else ():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.tb.add_scalar(k, v, row["step"])
@@ -380,18 +692,19 @@ class MetricsLog:
 
         id_file, cfg = self.path.parent / "wandb_id", self.wandb
         run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B makes one
+        # wandb writes its own files with local file calls: for a gs:// run they stay on this host, in a
+        # temporary folder named after the run (the W&B run itself lives on W&B's server).
+        own = self.path.parent
+        if is_gcs(own):
+            own = Path(tempfile.gettempdir()) / "olmo3-jax-wandb" / str(own).removeprefix("gs://")
+            own.mkdir(parents=True, exist_ok=True)
         self.wb = wandb.init(
-            project=cfg.project,
-            name=cfg.name,
-            id=run_id,
-            resume="allow",
-            dir=self.path.parent,
-            config=cfg.config,
+            project=cfg.project, name=cfg.name, id=run_id, resume="allow", dir=own, config=cfg.config
         )
         run_id = self.wb.id
-        data.write_atomic(id_file, run_id)
+        write_whole(id_file, run_id)
         if self.wb.offline:
-            logs = self.path.parent.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")
+            logs = own.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")
             held = (r.history.step.num for log in logs for r in wandb_records(log) if r.HasField("history"))
             self.wb_held = max(held, default=-1)
         else:
@@ -404,7 +717,21 @@ class MetricsLog:
         if self.wb is not None and row["step"] > self.wb_held:
             self.wb.log(olmo_core_metrics(row, self.wandb.devices, self.wandb.batch), step=row["step"])
 
+    def flush(self) -> None:
+        """Store the rows held back (on gs://; a local file has each row as it comes)."""
+        if not self.pending:
+            return
+        text, self.pending = "".join(self.pending), []
+        if self.file is not None:
+            self.file.write(text)
+            self.file.flush()
+        else:
+            append_text(self.path, text)
+        self.flushed = time.monotonic()
+
     def close(self) -> None:
+        if self.lead:
+            self.flush()
         for f in (self.file, self.tb):
             if f is not None:
                 f.close()
@@ -458,13 +785,14 @@ def _pyplot():
     return plt
 
 
-def _metric_rows(run_dir: Path) -> list[dict]:
+def _metric_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def plot_losses(run_dir: Path) -> list[str]:
+def plot_losses(run_dir) -> list[str]:
     """RUN_DIR/loss.png: the train loss and each held-out set's CE loss over the steps. Returns the curves'
     labels."""
+    run_dir = run_path(run_dir)
     plt, rows = _pyplot(), _metric_rows(run_dir)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     held = dict.fromkeys(k for r in rows for k in r if k.startswith("eval/lm/") and k.endswith("/CE loss"))
@@ -478,14 +806,16 @@ def plot_losses(run_dir: Path) -> list[str]:
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(run_dir / "loss.png", dpi=120)
+    with (run_dir / "loss.png").open("wb") as f:  # a file object: savefig takes no gs:// path
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return [line.get_label() for line in ax.get_lines()]
 
 
-def plot_downstream(run_dir: Path) -> list[str]:
+def plot_downstream(run_dir) -> list[str]:
     """RUN_DIR/downstream.png, where the run evaluated downstream tasks: a panel per task, its own metric
     (ICLMetric's first, as train.py prints it) over the steps. Returns the panels' titles."""
+    run_dir = run_path(run_dir)
     plt, rows = _pyplot(), _metric_rows(run_dir)
     firsts = {}  # task -> its first metric's key, in the row's order
     for key in (
@@ -506,7 +836,8 @@ def plot_downstream(run_dir: Path) -> list[str]:
         ax.axis("off")
     fig.suptitle(f"{run_dir.name}: downstream tasks over the steps", fontsize=9)
     fig.tight_layout()
-    fig.savefig(run_dir / "downstream.png", dpi=110)
+    with (run_dir / "downstream.png").open("wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return [ax.get_title() for ax in axes.flat[: len(firsts)]]
 
@@ -584,7 +915,21 @@ def _barriers_through_the_coordinator() -> None:
         flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
-def _orbax_detail_to(log: Path | None) -> None:
+class _AppendHandler(logging.Handler):
+    """Log records appended to a file, local or gs:// (which logging.FileHandler cannot write)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def emit(self, record):
+        try:
+            append_text(self.path, self.format(record) + "\n")
+        except Exception:  # logging's own way: said on stderr, never raised into Orbax
+            self.handleError(record)
+
+
+def _orbax_detail_to(log) -> None:
     """Orbax logs its failures (a restore of a damaged checkpoint: pages of TensorStore detail) before raising
     them, and after a failed write TensorStore still calls back into Orbax's closed event loop, which Python
     prints as tracebacks. Checkpoints reports each failure in one line; the detail goes to `log` (the run's
@@ -593,11 +938,11 @@ def _orbax_detail_to(log: Path | None) -> None:
     absl.propagate = False
     for handler in absl.handlers[:]:
         absl.removeHandler(handler)
-    absl.addHandler(logging.FileHandler(log) if log else logging.NullHandler())
+    absl.addHandler(_AppendHandler(log) if log else logging.NullHandler())
     sys.unraisablehook = functools.partial(_late_callback, sys.__unraisablehook__, log)
 
 
-def _late_callback(default, log: Path | None, unraisable) -> None:
+def _late_callback(default, log, unraisable) -> None:
     """Route to `log` the two late reports of a failure Checkpoints has already reported: the closed event
     loop, and an Orbax coroutine (reading another array of a damaged checkpoint) collected after its error."""
     code = getattr(unraisable.object, "cr_code", None)
@@ -607,14 +952,22 @@ def _late_callback(default, log: Path | None, unraisable) -> None:
         if log:
             import traceback
 
-            with open(log, "a") as f:
-                f.write("".join(traceback.format_exception(unraisable.exc_value)))
+            append_text(log, "".join(traceback.format_exception(unraisable.exc_value)))
     else:
         default(unraisable)
 
 
+# Orbax commits a step by writing a marker file (COMMIT_MARKER) last into the step's folder, written in place
+# (its COMMIT_FILE mode), on every storage. A commit without a rename is the only one Cloud Storage and a
+# gcsfuse mount have: gcsfuse refuses to rename a folder on a flat bucket, or, with --rename-dir-limit, copies it
+# object by object, which a kill leaves half done. A local disk loses nothing by it. A step counts only with
+# its marker (all_steps), and a writer starting removes the steps without one.
+COMMIT = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+
+
 class Checkpoints:
-    """The checkpoints of one run directory: asynchronous saves, validated restores, retention.
+    """The checkpoints of one run directory (local, on a gcsfuse mount or gs://): asynchronous saves,
+    validated restores, retention.
 
     Keeps the newest `keep_last` (at least 2: the newest may still be being written) and, forever, every
     step divisible by `keep_every`. Restoring skips a checkpoint that fails to read or to match its
@@ -627,8 +980,9 @@ class Checkpoints:
             raise ValueError(
                 f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write"
             )
-        self.saving = None
-        self.dir = Path(run_dir).absolute() / "checkpoints"
+        self.saving, root = None, run_path(run_dir)
+        self.before_save = lambda: None  # train.py's: MetricsLog.flush, the metrics rows held back
+        self.dir = (root if is_gcs(run_dir) else root.absolute()) / "checkpoints"
         self.quarantine = self.dir.parent / "quarantined"
         if read_only and not self.dir.is_dir():
             raise FileNotFoundError(f"{self.dir} does not exist: is {run_dir} a run directory?")
@@ -643,13 +997,14 @@ class Checkpoints:
         _orbax_detail_to(None if self.read_only or jax.process_index() else self.dir.parent / "log.txt")
         _barriers_through_the_coordinator()
         self.options = (
-            ocp.CheckpointManagerOptions(read_only=True)
+            ocp.CheckpointManagerOptions(read_only=True, atomicity_options=COMMIT)
             if self.read_only
             else ocp.CheckpointManagerOptions(
                 max_to_keep=keep_last,
                 keep_period=keep_every or None,
                 enable_async_checkpointing=True,
-                cleanup_tmp_directories=True,  # an interrupted save's temporary folder is removed, never used
+                cleanup_tmp_directories=True,  # an interrupted save (no commit marker) is removed, never used
+                atomicity_options=COMMIT,
             )
         )
         self._open()
@@ -657,7 +1012,8 @@ class Checkpoints:
     def _why_unwritable(self) -> str | None:
         """Why nothing can be written in the checkpoint directory, or None if it can."""
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            if not is_gcs(self.dir):  # (a bucket has no folders to make)
+                self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".write-test-{jax.process_index()}-{os.getpid()}"  # hosts share the dir
             probe.write_text("ok")
             probe.unlink()
@@ -681,6 +1037,7 @@ class Checkpoints:
         CheckpointError at the next check(), wait() or close()."""
         if self.read_only:  # Orbax's read-only manager would skip the save without a word
             raise CheckpointError(f"saving checkpoint {step}: {self.dir} is read-only ({self.cannot_write})")
+        self.before_save()
         if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
             return
         self.wait()  # one save at a time, and the previous one's failure first
@@ -733,14 +1090,15 @@ class Checkpoints:
         ) from e
 
     def _remove_unfinished(self, step: int, quiet_s: float = 1.0, give_up_s: float = 30.0) -> None:
-        """Remove a failed save's temporary folder. Orbax reports the first item that fails (say the model)
-        while another (the optimizer state) may still be writing in its own thread, and its writer makes the
-        folders it needs again: so remove until the folder has stayed gone for `quiet_s`."""
+        """Remove a failed save's folder (it has no commit marker). Orbax reports the first item that fails (say
+        the model) while another (the optimizer state) may still be writing in its own thread, and its writer
+        makes the folders it needs again: so remove until the folder has stayed gone for `quiet_s`."""
         start = gone_since = time.monotonic()
         while time.monotonic() - gone_since < quiet_s:
-            left = list(self.dir.glob(f"{step}.orbax-checkpoint-tmp*"))
+            folder = self.dir / str(step)
+            left = [folder] if folder.exists() and not (folder / COMMIT_MARKER).exists() else []
             for tmp in left:
-                shutil.rmtree(tmp, ignore_errors=True)  # a writer may add files while it goes; look again
+                remove_tree(tmp)  # a writer may add files while it goes; look again
             if left:
                 gone_since = time.monotonic()
             if left and time.monotonic() - start > give_up_s:
@@ -885,8 +1243,9 @@ class Checkpoints:
         )
         self._log(f"checkpoint {step} is corrupt", error)
         if jax.process_index() == 0:  # every process found the same fault (the checksums are global)
-            self.quarantine.mkdir(exist_ok=True)
-            shutil.move(str(self.dir / str(step)), str(target))
+            if not is_gcs(self.quarantine):
+                self.quarantine.mkdir(exist_ok=True)
+            move_tree(self.dir / str(step), target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -898,7 +1257,7 @@ def format_of(path) -> str:
     """What directory `path` holds: "run" (one of ours: checkpoints/), "olmo-core" (an OLMo-core step
     directory: model_and_optim/) or "hf" (a Hugging Face model: config.json); else one line saying what was
     expected."""
-    path = Path(path)
+    path = run_path(path)
     for kind, inside in (("run", "checkpoints"), ("olmo-core", "model_and_optim"), ("hf", "config.json")):
         if (path / inside).exists():
             return kind
@@ -913,7 +1272,7 @@ def format_of(path) -> str:
 
 def has_checkpoints(run_dir) -> bool:
     """Whether `run_dir` holds a committed checkpoint; reads only."""
-    if not (Path(run_dir) / "checkpoints").is_dir():
+    if not (run_path(run_dir) / "checkpoints").is_dir():
         return False
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
@@ -1471,11 +1830,11 @@ def export_hf(
         meta = ckpts.read_meta(step)
     finally:
         ckpts.close()
-    save_hf(model, out, dtype=dtype, extra=_tokenizer_files(Path(run_dir), meta, model.cfg, tokenizer))
+    save_hf(model, out, dtype=dtype, extra=_tokenizer_files(run_path(run_dir), meta, model.cfg, tokenizer))
     return step
 
 
-def _tokenizer_files(run_dir: Path, meta: dict, cfg: Olmo3Config, name: str | None) -> dict[str, str]:
+def _tokenizer_files(run_dir, meta: dict, cfg: Olmo3Config, name: str | None) -> dict[str, str]:
     """The tokenizer to ship with an export: asked for, or the run's (train.py keeps the tiny one's
     tokenizer.json in the run directory), or dolma2 for a model of its vocabulary."""
     name = (
@@ -1484,7 +1843,8 @@ def _tokenizer_files(run_dir: Path, meta: dict, cfg: Olmo3Config, name: str | No
     if name == "none":
         return {}
     if name == "tiny" and (run_dir / "tokenizer.json").exists():
-        return data.hf_tokenizer_files("tiny", str(run_dir / "tokenizer.json"))
+        with local_copy(run_dir / "tokenizer.json") as file:
+            return data.hf_tokenizer_files("tiny", file)
     if name.endswith(".json"):
         return data.hf_tokenizer_files("tiny", name)
     return data.hf_tokenizer_files(name)
@@ -1515,7 +1875,7 @@ def write_first_step(run_dir, model: Olmo3, train_state: dict | None, *sources) 
                 raise FileExistsError(
                     f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory"
                 )
-            source = " + ".join(str(Path(s).absolute()) for s in sources)
+            source = " + ".join(str(s) if is_gcs(s) else str(Path(s).absolute()) for s in sources)
             meta = {"model": config_to_hf(model.cfg), "source": source}
             ckpts.save(0, model, train_state, meta=meta)
         finally:
@@ -1865,7 +2225,8 @@ def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]
     it, and train.py continues from it with Adam from zero (as AI2's stage 3 loads the average without optimizer
     state). Both models are held in host memory (fp32: 8 bytes a parameter), the mean taken a tensor at a time.
     Refused, before OUT is touched, if the two are not the same model. Returns the two steps."""
-    if Path(run_a).resolve() == Path(run_b).resolve():
+    where = lambda run: str(run).rstrip("/") if is_gcs(run) else Path(run).resolve()
+    if where(run_a) == where(run_b):
         raise ValueError(f"{run_a} and {run_b} are one run: its average with itself is itself; name two runs")
     (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
     if diff := model_differences(a.cfg, b.cfg):
@@ -1889,8 +2250,15 @@ def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]
 # The command line
 
 
-def _directory_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+def unfinished_writes(folder) -> list[str]:
+    """The folders of a checkpoint folder that are no checkpoint: a save in flight, or cut short (no commit
+    marker; or, from before commit markers, a temporary name)."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir()]
+    return sorted(
+        p.name for p in found if ".orbax-checkpoint-tmp" in p.name or not (p / COMMIT_MARKER).exists()
+    )
 
 
 def list_checkpoints(run_dir) -> list[dict]:
@@ -1899,9 +2267,7 @@ def list_checkpoints(run_dir) -> list[dict]:
     rows = []
     try:
         for step in ckpts.steps():
-            row = dict(
-                step=step, size=_directory_size(ckpts.dir / str(step)), time=None, valid=True, problem=""
-            )
+            row = dict(step=step, size=size_of(ckpts.dir / str(step)), time=None, valid=True, problem="")
             try:
                 _, _, meta = ckpts.read(step)
                 row["time"] = meta.get("time")
@@ -1975,13 +2341,17 @@ def run_command(args) -> int:
             print(
                 f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}"
             )
-        folder = Path(args.run_dir) / "checkpoints"
-        unfinished = sorted(p.name for p in folder.glob("*.orbax-checkpoint-tmp*"))
+        folder = run_path(args.run_dir) / "checkpoints"
+        unfinished = unfinished_writes(folder)
         if not rows:  # an interrupted first write is not a checkpoint, and not nothing either
             left = (
                 f"; only interrupted writes, never committed: {', '.join(unfinished)}" if unfinished else ""
             )
             print(f"no committed checkpoint in {folder}{left}")
+        elif unfinished:
+            print(
+                f"not committed (no {COMMIT_MARKER}; never read, removed by the next run): {', '.join(unfinished)}"
+            )
         return 0 if all(r["valid"] for r in rows) and not (unfinished and not rows) else 1
     if args.command == "to-hf":
         step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)

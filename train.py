@@ -34,7 +34,6 @@ import sys
 import traceback
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -157,7 +156,7 @@ class TrainConfig:
     # splits each row's positions (stage 3's long rows), balanced for causal work
 
     # run
-    run_dir: str = "runs/7b"
+    run_dir: str = "runs/7b"  # a folder, or gs://BUCKET/PATH: everything the run writes, checkpoints included
     ckpt_every: int = flag(1000, low=1)
     keep_last: int = flag(2, low=2)  # recent checkpoints kept (at least 2: the newest may be mid-write)
     keep_every: int = flag(0, low=0)  # also keep every step divisible by this, forever; 0 = none
@@ -183,6 +182,7 @@ class TrainConfig:
     # entity and credentials from wandb's environment: WANDB_ENTITY, WANDB_API_KEY, WANDB_MODE=offline)
     wandb_run: str = ""  # with --wandb: the W&B run's name (default: W&B's); a resume continues the same run
     samples: int = flag(0, low=0)  # lines of text to sample at the end
+    profile: str = ""  # START:STEPS: trace those steps into RUN_DIR/profile (XProf, Perfetto); '' = none
     coordinator: str = ""  # multi-host outside TPU VMs / known clusters: host:port of process 0
     num_processes: int = flag(0, low=0)
     process_id: int = flag(-1, low=-1)
@@ -599,9 +599,9 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
 
 
 def take_step(run: "Run", step: int, model, opt, batch, **extras):
-    """Dispatch optimizer step `step` (1, 2, ...) on `batch` and its `extras` (read_batches); returns at once,
-    the devices work on. The seam tests use to act at a given step."""
+    """Dispatch optimizer step `step` (1, 2, ...) on `batch` and its `extras` (read_batches); returns at once."""
     lr = jnp.float32(lr_at(step, run.cfg))
+    run.profile.dispatching(step)  # --profile
     return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **extras)
 
 
@@ -630,6 +630,7 @@ def log_step(
     metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
     stop_on_nan(run, step, metrics)
     run.log.write(metrics_row(run, step, metrics, wait, batch_hash, filtered, meter))
+    run.profile.finished(step)
 
 
 def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, key):
@@ -786,6 +787,7 @@ class Run:
     tasks: list[data.DownstreamTask]
     tokenizer_path: str | None
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
+    profile: ckpt.Profile = ckpt.Profile("", "")  # --profile (this default traces nothing)
     checkpoints: ckpt.Checkpoints | None = None  # these two open the run directory: open_run_dir
     log: ckpt.MetricsLog | None = None
 
@@ -819,7 +821,10 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     fingerprint = loader.fingerprint if loader else None
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=fingerprint)
     tasks = downstream_tasks(cfg, model_cfg, tokenizer_path)
-    return Run(cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tasks, tokenizer_path, meta)
+    profile = ckpt.Profile(cfg.profile, cfg.run_dir)
+    return Run(
+        cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tasks, tokenizer_path, meta, profile
+    )
 
 
 def make_loader(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, files: list[str], kw: dict):
@@ -899,7 +904,9 @@ def open_run_dir(run: Run) -> None:
         wandb = ckpt.WandbRun(
             cfg.wandb, cfg.wandb_run or None, dataclasses.asdict(cfg), run.mesh.size, cfg.global_batch
         )
-    run.log = ckpt.MetricsLog(Path(cfg.run_dir), jax.process_index() == 0, cfg.tensorboard, wandb)
+    run.log = ckpt.MetricsLog(cfg.run_dir, jax.process_index() == 0, cfg.tensorboard, wandb)
+    # Each checkpoint's rows are stored before it (on gs:// they are held a while): none is lost to a kill.
+    run.checkpoints.before_save = run.log.flush
 
 
 def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute):
@@ -1141,6 +1148,7 @@ def record_eval_row(run: Run, row: dict) -> None:
     sets, tasks = ",".join(h.label for h in run.eval_sets), ",".join(t.name for t in run.tasks)
     try:
         run.log.write(row | dict(eval_only=True, eval_sets=sets, tasks=tasks))
+        run.log.flush()  # now, so that a failure is said here (on gs:// rows are otherwise held a while)
     except (OSError, ckpt.RunDirError) as e:
         say(
             f"--eval_only: could not add this evaluation to {run.log.path} ({e}); the table above is its result"
@@ -1492,8 +1500,8 @@ def downstream_row(run: Run, model) -> dict:
 def plot_and_sample(run: Run, model) -> None:
     """A finished run's plots (loss.png, downstream.png) and, with --samples, text sampled from the model."""
     if jax.process_index() == 0:
-        ckpt.plot_losses(Path(run.cfg.run_dir))
-        ckpt.plot_downstream(Path(run.cfg.run_dir))
+        ckpt.plot_losses(run.cfg.run_dir)
+        ckpt.plot_downstream(run.cfg.run_dir)
     if run.cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
         print_samples(model, run.cfg, run.tokenizer_path)
 
@@ -1626,6 +1634,10 @@ def check_flags(cfg: TrainConfig) -> None:
         raise FlagError("--init_weights_only: goes with --init_from SOURCE")
     if cfg.wandb_run and not cfg.wandb:
         raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
+    if cfg.profile and not re.fullmatch(r"[1-9]\d*:[1-9]\d*", cfg.profile):
+        raise FlagError(f"--profile {cfg.profile!r}: expected START:STEPS, e.g. 10:3 (steps 10, 11 and 12)")
+    if cfg.profile and cfg.steps and (last := sum(map(int, cfg.profile.split(":"))) - 1) > cfg.steps:
+        raise FlagError(f"--profile {cfg.profile}: traces up to step {last}, past --steps {cfg.steps}")
     values = dataclasses.asdict(cfg) | dataclasses.asdict(cfg.compute)
     for name, unset in [("positions", "row"), ("file_seed", -1), ("max_documents", 0)]:
         if not cfg.pack_files and values[name] != unset:

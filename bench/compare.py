@@ -39,7 +39,7 @@ def side(spec: str, attention: str = "reference"):
         return transformers_side(Path(path), dtype == "bf16")
     mesh = shard.make_mesh(f"tensor={len(jax.devices())}")
     compute = Compute(dtype="bfloat16" if dtype else "float32", attention=attention)
-    return model_side(load(Path(path), compute, mesh), mesh)
+    return model_side(load(ckpt.run_path(path), compute, mesh), mesh)  # a run directory may be gs://
 
 
 def model_side(model: Olmo3, mesh):
@@ -55,7 +55,7 @@ def model_side(model: Olmo3, mesh):
     return model.cfg.vocab_size, logits
 
 
-def load(path: Path, compute: Compute, mesh) -> Olmo3:
+def load(path, compute: Compute, mesh) -> Olmo3:
     """The weights of a Hugging Face directory, or of a run's newest valid checkpoint, straight onto the mesh."""
     place = lambda model: shard.abstract(model, shard.shardings(model, mesh))
     if not (path / "checkpoints").is_dir():  # not a run directory: a Hugging Face one

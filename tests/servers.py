@@ -47,6 +47,9 @@ def gcs_emulator():
             except OSError:
                 time.sleep(0.05)
         os.environ.update(emulator)
+        import fsspec.config  # fsspec reads FSSPEC_* once, at its import: again, for a process that has
+
+        fsspec.config.set_conf_env(fsspec.config.conf)
         yield url
     finally:
         server.terminate()
