@@ -75,6 +75,12 @@ ROWS = [
     ("gpu-long-context", "7b-long-context h200x8 --mesh=fsdp=4,tensor=2 --max_documents 64 --microbatch 1"),
     ("gpu-long-context", "7b-long-context h100x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
     ("gpu-long-context", "7b-long-context h100x8 --mesh=fsdp=4,tensor=2 --max_documents 64 --microbatch 1"),
+    # Stage 3 with its block linears in FP8 (the 7b-long-context preset's own policy, as the rows above) and
+    # without (--fp8=), side by side on 8 H200s (the [gpu] extra) and on Ironwood.
+    ("fp8", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
+    ("fp8", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1 --fp8="),
+    ("fp8", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1"),
+    ("fp8", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1 --fp8="),
 ]
 
 
