@@ -117,13 +117,15 @@ def test_data_speed_prints_every_row():
     assert table[-1].startswith("peak memory of this process: ")
 
 
-def test_ckpt_speed_saves_and_restores():
-    out = bench(
-        "ckpt_speed.py", "--preset", "tiny", "--layers", "1", "--repeats", "1", "--moments"
-    ).splitlines()
+def test_ckpt_speed_saves_and_restores_on_a_local_disk_and_on_the_gcs_emulator():
+    args = ["--preset", "tiny", "--layers", "1", "--repeats", "1", "--moments", "--places", "local,emulator"]
+    out = [line for line in bench("ckpt_speed.py", *args).splitlines() if line]
     assert out[0].startswith("state: ") and "+ Adam moments" in out[0]
-    assert out[1].split() == ["save", "blocked", "s", "committed", "s", "GiB/s"]
-    assert out[2].split()[0] == "1" and out[3].startswith("restore with checksums verified: "), out
+    for at, place in ((1, "local: "), (5, "emulator: gs://")):
+        assert out[at].startswith(place), out
+        assert out[at + 1].split() == ["save", "blocked", "s", "committed", "s", "GiB/s"]
+        assert out[at + 2].split()[0] == "1", out
+        assert out[at + 3].startswith("restore with checksums verified: "), out
 
 
 @pytest.mark.slow
