@@ -159,8 +159,9 @@ def test_a_checkpoint_from_before_the_schedule_field_resumes_as_cosine():
 
     cfg = train.PRESETS["tiny"]
     saved = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "schedule"}}
-    saved |= {"model": {}, "data": None}
-    expected = {"config": dataclasses.asdict(cfg), "model": {}, "data": None}
+    model = ckpt.config_to_hf(train.model_config(cfg))
+    saved |= {"model": model, "data": None}
+    expected = {"config": dataclasses.asdict(cfg), "model": model, "data": None}
     check = lambda meta, now: ckpt.check_resume(
         train.with_recipe_defaults(meta), now, train.RECIPE_FIELDS, False, "runs/x"
     )
@@ -834,7 +835,9 @@ def test_init_from_a_hugging_face_directory_starts_from_those_weights(tmp_path, 
         "100",
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "starting from the weights in" in out.stdout
+    assert (
+        f"starting from {tmp_path / 'hf'} (hf: weights only: Adam from zero); this process read" in out.stdout
+    )
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     # transformers' loss of those weights on batch 0 of the data order is the first step's CE.
     prepared = data.prepare_tiny(str(tiny_data))
