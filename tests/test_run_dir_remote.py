@@ -133,6 +133,8 @@ def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_c
     assert any(n.endswith("/commit_success.txt") for n in quarantined)
     assert "checkpoint 12 is corrupt" in (ckpt.run_path(url) / "log.txt").read_text()
     assert_same_as_reference(url, reference)
+    steps = {n.split("/")[0] for n in names_under(bucket, "runs/tiny/checkpoints/") if n.count("/") == 1}
+    assert steps == {"9", "12"}  # --keep_last 2: the older steps removed from the bucket
     readers_take_gs(url, reference, tiny_data, bucket, tmp_path)
 
 
