@@ -146,13 +146,18 @@ def append_text(path, text: str) -> None:
         with open(path, "a") as f:
             f.write(text)
         return
+    from google.api_core.exceptions import GoogleAPICallError
+
     whole, part = _blob(path), _blob(f"{path}.part-{os.urandom(6).hex()}")
-    if not whole.exists():
-        whole.upload_from_string(text)
-        return
-    part.upload_from_string(text)
-    whole.compose([whole, part])
-    part.delete()
+    try:  # (the client retries what is transient itself)
+        if not whole.exists():
+            whole.upload_from_string(text)
+            return
+        part.upload_from_string(text)
+        whole.compose([whole, part])
+        part.delete()
+    except GoogleAPICallError as e:
+        raise OSError(f"{path}: appending failed ({e.code} {e.message})") from e
 
 
 def remove_tree(path) -> None:
@@ -722,11 +727,14 @@ class MetricsLog:
         if not self.pending:
             return
         text, self.pending = "".join(self.pending), []
-        if self.file is not None:
-            self.file.write(text)
-            self.file.flush()
-        else:
-            append_text(self.path, text)
+        try:
+            if self.file is not None:
+                self.file.write(text)
+                self.file.flush()
+            else:
+                append_text(self.path, text)
+        except OSError as e:  # a full disk, a bucket that refuses: the run stops in one line
+            raise RunDirError(f"{self.path}: could not store the metrics rows ({e.strerror or e})") from e
         self.flushed = time.monotonic()
 
     def close(self) -> None:
@@ -1149,7 +1157,12 @@ class Checkpoints:
                 )
             abstract[k] = eqx.filter(like, is_array)
         for k in stored:  # a sound checkpoint of another shape is refused, never taken for a corrupt one
-            if wanted[k] is not None and (diff := _shape_differences(metadata[k].tree, abstract[k])):
+            saved = metadata[k].tree if k in set(metadata.keys()) else None  # missing: the restore says so
+            if (
+                saved is not None
+                and wanted[k] is not None
+                and (diff := _shape_differences(saved, abstract[k]))
+            ):
                 raise ResumeRefused(
                     f"{self.dir / str(step)} holds a {k} of other shapes: {diff} (saved vs now); it is sound "
                     "and stays where it is: resume with the recipe that wrote it, or use another --run_dir"

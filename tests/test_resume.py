@@ -258,7 +258,7 @@ def test_changed_recipe_is_refused_unless_allowed(env, tiny_data, reference, tmp
     out = run(env, run_dir, tiny_data, "--global_batch", "8")
     assert out.returncode == 2 and "global_batch: 4 -> 8" in out.stderr
     out = run(env, run_dir, tiny_data, "--head_layout", "2x128", "--allow_config_change")
-    assert out.returncode == 2 and "another model shape" in out.stderr
+    assert out.returncode == 2 and "holds another model: num_attention_heads 4 vs 2" in out.stderr
     out = run(env, run_dir, tiny_data, "--steps", "14")
     assert out.returncode == 2 and "steps: 12 -> 14" in out.stderr and "--allow_config_change" in out.stderr
     out = run(env, run_dir, tiny_data, "--steps", "14", "--allow_config_change")
