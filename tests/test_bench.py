@@ -20,15 +20,6 @@ def bench(script: str, *args: str) -> str:
     return out.stdout
 
 
-@pytest.mark.slow
-def test_speed_cpu_comparison_prints_both_systems_the_ratio_and_determinism():
-    out = bench("speed.py", "--preset", "tiny", "--steps", "1")
-    for line in ["system ", "olmo3-jax train_step (tiny preset) ", "transformers Olmo3 eager (sdpa), fp32 "]:
-        assert f"\n{line}" in out, out
-    assert "\nratio ours/transformers-eager = " in out
-    assert "\ndeterminism: losses bitwise equal" in out, out  # the CPU's XLA ops are deterministic
-
-
 # bench/speed.py --gpu --small: each section's title, then its rows by system, then its closing lines.
 GPU_SECTIONS = [
     (
@@ -90,21 +81,13 @@ def test_speed_gpu_path_runs_through_every_section_at_a_cpu_s_size(tmp_path):
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
 
 
-def test_dry_run_prints_a_row_that_fits_and_a_row_train_py_refuses_in_its_table():
-    """bench/dry_run.py end to end at its smallest: the tiny preset compiled for the smallest TPU slice by
-    libtpu, and a row train.py refuses at once, shown as an error in its table."""
-    fits, refused = (
-        "tiny v5litepod-4 --mesh=fsdp=2,tensor=2 --dtype bfloat16",
-        "tiny v5litepod-4 --no_such_flag 1",
-    )
-    out = bench("dry_run.py", "--row", fits, "--row", refused).splitlines()
-    assert out[0].startswith("| preset | slice | flags |") and out[1].startswith("|---|") and len(out) == 4
+def test_dry_run_prints_a_row_train_py_refuses_as_an_error_in_its_table():
+    """bench/dry_run.py end to end on a row train.py refuses at once (a row that compiles: tests/test_compile.py
+    reads a TPU dry run's report with dry_run.report and writes its table row; compiling one here again cost
+    47 s of the suite)."""
+    out = bench("dry_run.py", "--row", "tiny v5litepod-4 --no_such_flag 1").splitlines()
+    assert out[0].startswith("| preset | slice | flags |") and out[1].startswith("|---|") and len(out) == 3
     row = out[2].split(" | ")
-    assert row[:3] == ["| tiny", "v5litepod-4", "--mesh=fsdp=2,tensor=2 --dtype bfloat16"], out
-    state, activations, total, hbm = map(float, row[3:7])  # GiB a device
-    assert 0 < total < hbm == 15.8 and state >= 0 and activations >= 0, out  # 15.75: a v5e chip's HBM
-    assert row[7].startswith("fits, with ") and row[7].endswith(" GiB to spare"), out
-    row = out[3].split(" | ")
     assert row[:3] == ["| tiny", "v5litepod-4", "--no_such_flag 1"], out
     assert row[7] == "error: error: unknown flag --no_such_flag; see --help", out
 
