@@ -2207,6 +2207,10 @@ def check_olmo_core(ckpt_dir, cfg: Olmo3Config, weights_only: bool) -> None:
 # Averaging: the mean of two runs (AI2's soup of the 32B's midtraining runs).
 
 
+# Fields of an HF config that no weight depends on: two models differing only in them are one model.
+NOT_THE_MODEL = ("max_position_embeddings", "eos_token_id", "pad_token_id", "bos_token_id")
+
+
 def model_differences(a: Olmo3Config, b: Olmo3Config) -> str:
     """Where `a` and `b` are different models, as `field a vs b` over their HF configs' fields (a long list by
     its length: the layer types); '' if they are one model. The token ids and the longest context are left
@@ -2218,9 +2222,6 @@ def model_differences(a: Olmo3Config, b: Olmo3Config) -> str:
         for k in {**ha, **hb}
         if ha.get(k) != hb.get(k) and k not in NOT_THE_MODEL
     )
-
-
-NOT_THE_MODEL = ("max_position_embeddings", "eos_token_id", "pad_token_id", "bos_token_id")
 
 
 def newest_model(run_dir) -> tuple[int, Olmo3]:
