@@ -1860,6 +1860,11 @@ def _tokenizer_files(run_dir, meta: dict, cfg: Olmo3Config, name: str | None) ->
             return data.hf_tokenizer_files("tiny", file)
     if name.endswith(".json"):
         return data.hf_tokenizer_files("tiny", name)
+    if name == "tiny" and not os.path.exists(default := data.tiny_tokenizer_file(None)):
+        raise FileNotFoundError(
+            f"{run_dir} keeps no tokenizer.json and {default} does not exist: pass --tokenizer PATH/tokenizer.json "
+            "(the tiny tokenizer its data was made with) or --tokenizer none"
+        )
     return data.hf_tokenizer_files(name)
 
 

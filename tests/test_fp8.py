@@ -546,7 +546,7 @@ def test_a_scaled_down_stage3_trains_in_fp8_a_few_thousandths_from_the_bf16_run(
     assert 0 < bf16_cost < fp8_cost < 0.03, (bf16_cost, fp8_cost)
 
 
-def test_a_stage3_run_in_fp8_exports_its_fp32_masters_as_plain_hugging_face_weights(tiny_data, tmp_path):
+def test_a_stage3_run_in_fp8_exports_its_fp32_masters_as_plain_hugging_face_weights(tiny_data, tmp_path, monkeypatch):
     """A stage-3 run in fp8 checkpoints and exports the fp32 master weights, nothing in fp8: `ckpt.py to-hf`
     writes every tensor in fp32, bit for bit the checkpoint's, and transformers' Olmo3ForCausalLM computes from
     them what our model computes without fp8 (a reader needs no fp8 kernel, as with AI2's released stage 3)."""
@@ -554,10 +554,14 @@ def test_a_stage3_run_in_fp8_exports_its_fp32_masters_as_plain_hugging_face_weig
     from safetensors.numpy import load_file
     from transformers import Olmo3ForCausalLM
 
+    monkeypatch.chdir(tmp_path)  # no data/tiny here: the run keeps no tokenizer, so the export asks for one
     run, files = tmp_path / "run", stage3_data(tiny_data, tmp_path / "data")
     cfg = dataclasses.replace(STAGE3, data=files, run_dir=str(run), steps=2, lr_horizon=2, warmup_steps=1)
     assert train.main(cfg) == 0
-    assert ckpt.export_hf(run, tmp_path / "hf") == 2
+    with pytest.raises(FileNotFoundError, match="pass --tokenizer PATH/tokenizer.json"):
+        ckpt.export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    assert ckpt.export_hf(run, tmp_path / "hf", tokenizer=str(tiny_data / "tokenizer.json")) == 2
     tensors = load_file(tmp_path / "hf" / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {np.dtype(np.float32)}
     (_, saved), exported = ckpt.newest_model(run), ckpt.load_hf(tmp_path / "hf")
