@@ -1509,9 +1509,10 @@ def plot_and_sample(run: Run, model) -> None:
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
     tok, length = data.get_tokenizer(cfg.tokenizer, tokenizer_path), min(model.cfg.max_seq_len, cfg.seq_len)
     say("samples:")
-    for i in range(cfg.samples):
-        prompt = jnp.asarray([tok.eos_id], jnp.int32)  # a fresh document starts after an EOS
-        out = olmo3.sample(model, prompt, length - 1, key=jax.random.key(i), temperature=0.8, top_k=50)
+    prompt = jnp.asarray([tok.eos_id], jnp.int32)  # a fresh document starts after an EOS
+    draw = lambda key: olmo3.sample(model, prompt, length - 1, key=key, temperature=0.8, top_k=50)
+    outs = jax.vmap(draw)(jax.vmap(jax.random.key)(jnp.arange(cfg.samples)))  # all at once: a third the time
+    for i, out in enumerate(np.asarray(outs)):
         text = tok.decode([int(t) for t in out[1:] if int(t) < tok.vocab_size])
         say(f"--- sample {i + 1} ---\n{text.split(tok.decode([tok.eos_id]))[0].strip()[:600]}")
 

@@ -6,7 +6,7 @@
         --out runs/learned    # a model that learns, 5 runs a side: 68 min (--noise 1: 28); bench/RESULTS.md
     python bench/reference.py --bf16 --eval_tokens 0    # both in bf16, judged against what bf16 costs
     python bench/reference.py --steps 6 --batch 2 --seq_len 64 --window 16 --warmup 2 --skip_window 4 \
-        --eval_tokens 512 --eval_len 256 --noise 2 --check_weights   # the size tests/test_reference.py runs
+        --eval_tokens 512 --eval_len 256 --noise 1 --check_weights   # the size tests/test_reference.py runs
 
 OLMo-core (ai2-olmo-core, PyTorch, fp32 on the CPU) trains `TransformerConfig.olmo3_14M` at dolma2's
 vocabulary (or the tiny preset's, --tokenizer tiny) through its own Trainer: NumpyFSLDataLoader over the

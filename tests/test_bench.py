@@ -59,6 +59,7 @@ GPU_SECTIONS = [
 ]
 
 
+@pytest.mark.slow
 def test_speed_gpu_path_runs_through_every_section_at_a_cpu_s_size(tmp_path):
     """Each section prints its table, a row of figures for every system (on the CPU every lever compiles, so a
     lever's "failed" row is a bug), and its ratios."""

@@ -95,6 +95,7 @@ def test_document_masked_splash_compiles_for_a_tpu_forward_and_backward():
     ], calls
 
 
+@pytest.mark.slow
 def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_tensor_parallelism():
     """A small OLMo 3 (sliding and full layers, grouped kv heads) for a v5e:2x2 with fsdp and tensor axes:
     every attention call is a Mosaic custom call (an interpreted kernel would be plain HLO), and the TPU
@@ -179,6 +180,7 @@ def test_dry_run_prints_the_memory_table_per_device(tmp_path):
     assert not (tmp_path / "checkpoints").exists()  # it only compiles
 
 
+@pytest.mark.slow
 def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_noise(tmp_path):
     env = dict(
         os.environ, JAX_PLATFORMS=""

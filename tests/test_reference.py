@@ -51,9 +51,10 @@ def run_reference(out: Path, ours: list[str] = (), **sizes):
 
 @pytest.mark.slow
 def test_training_follows_olmo_core_step_by_step(tmp_path):
-    """With the long comparison's parts too, at CI size: each trainer again from weights one ulp up and one
-    down (their noise), and our trained weights through transformers (the checker)."""
-    proc, result = run_reference(tmp_path, noise=2, check_weights="")
+    """With the long comparison's parts too, at CI size: each trainer again from weights one ulp up (a draw of
+    its noise; one up and one down cost the suite 38 s more), and our trained weights through transformers (the
+    checker)."""
+    proc, result = run_reference(tmp_path, noise=1, check_weights="")
     assert proc.returncode == 0, proc.stdout[-4000:]
     steps = result["steps"]
     assert [r["step"] for r in steps] == list(range(1, SMALL["steps"] + 1))
@@ -89,15 +90,15 @@ def test_training_follows_olmo_core_step_by_step(tmp_path):
     assert not result["failures"] and (tmp_path / "reference_loss.png").stat().st_size > 0
     for noise, e in zip(result["noise"], result["held_out"], strict=True):  # each trainer again, nudged
         assert (noise["text"], noise["length"]) == (e["text"], e["length"])
-        assert noise["nudges"] == [1, -1] and len(noise["olmo_core"]) == len(noise["ours"]) == 2
+        assert noise["nudges"] == [1] and len(noise["olmo_core"]) == len(noise["ours"]) == 1
         for run in noise["olmo_core"] + noise["ours"]:
             assert run["ref_loss"] == pytest.approx(e["fp32"]["ref_loss"], rel=1e-12)  # the same reference
             assert 0 < abs(run["ref_loss"] - run["cand_loss"]) < 1e-3
         ours_nudged = [r["cand_loss"] for r in noise["ours"]]
-        assert len({e["fp32"]["cand_loss"], *ours_nudged}) == 3  # each nudge reached our weights
+        assert len({e["fp32"]["cand_loss"], *ours_nudged}) == 2  # the nudge reached our weights
     # Within 6 steps no run parts from another by more than the per-step tolerance, nudged or not.
-    assert len(result["parted"]) == 5 and all(step is None for step in result["parted"].values())
-    assert [len(rows) for who in ("olmo_core", "ours") for rows in result["noise_steps"][who]] == [6] * 4
+    assert len(result["parted"]) == 3 and all(step is None for step in result["parted"].values())
+    assert [len(rows) for who in ("olmo_core", "ours") for rows in result["noise_steps"][who]] == [6] * 2
     for check in result["same_weights"]:  # our weights, our model against transformers' Olmo3
         fp32, bf16 = check["fp32"], check["bf16"]
         assert fp32["top1"] >= 0.999 and fp32["max_token_loss_diff"] <= 1e-4 and fp32["mean_kl"] < 1e-8
