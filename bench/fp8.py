@@ -6,7 +6,7 @@ the bf16 run's weights (bench/compare.py: held-out loss, top-1 agreement, KL).
 
     python train.py --preset tiny --run_dir runs/tiny    # a stage 1 to go on from (optional: else a fresh init)
     python bench/fp8.py --init_from runs/tiny            # three runs of 60 steps of 4 x 1,024 tokens
-    python bench/fp8.py --steps 3 --seq_len 256 --global_batch 2 --held_out 512   # tests/test_bench.py
+    python bench/fp8.py --steps 20 --seq_len 512 --lr 2e-3 --held_out 512 --json out.json   # tests/test_fp8.py
 
 Stage 3 scaled down: the tiny corpus's plays cut into documents of 20 to 400 tokens in 4 files, packed best-fit
 into rows within groups of 2 files shuffled with seed 123 (`--pack_files 2 --file_seed 123`), YaRN on the full
@@ -83,6 +83,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--init_from", default="", help="where the three runs start (train.py --init_from)")
     parser.add_argument("--held_out", type=int, default=16384, help="held-out tokens read per run")
     parser.add_argument("--data_root", default=data.TINY_DIR, help="the tiny corpus (prepared if missing)")
+    parser.add_argument("--json", default="", help="also write each policy's losses and reading here")
     args = parser.parse_args(argv)
     shard.quiet_libtpu()  # this process reads the runs on its CPU
     tiny = data.prepare_tiny(args.data_root)
@@ -105,6 +106,10 @@ def main(argv: list[str]) -> int:
         f"| policy | train loss, last {last} steps | mean abs Δ loss per step vs bf16 | held-out loss (read in fp32) "
         f"| top-1 agreement vs bf16 | mean KL vs bf16 | tokens/s |\n|---|---|---|---|---|---|---|"
     )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({name: {"loss": loss[name].tolist(), **read[name]} for name in POLICIES})
+        )
     for name in POLICIES:
         r = read[name]
         print(

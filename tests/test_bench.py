@@ -1,6 +1,6 @@
 """Each bench script at its smallest size: it runs through and prints its table, every row with its figures
 (what they are is not checked: they mean nothing on CI's CPU). bench/reference.py is run by
-tests/test_reference.py, bench/compare.py by tests/test_compare.py."""
+tests/test_reference.py, bench/compare.py by tests/test_compare.py, bench/fp8.py by tests/test_fp8.py."""
 
 import json
 import subprocess
@@ -134,13 +134,3 @@ def test_downstream_prints_ours_beside_the_reference_and_the_speeds(tmp_path, ti
         "| downstream evaluation, 2 tasks at 256 | ",
     ]:
         assert f"\n{line}" in out, out
-
-
-@pytest.mark.slow
-def test_fp8_prints_the_three_policies_side_by_side(tiny_data):
-    args = ["--steps", "3", "--seq_len", "256", "--global_batch", "2", "--held_out", "512"]
-    out = bench("fp8.py", *args, "--data_root", str(tiny_data)).splitlines()
-    table = [line.split(" | ") for line in out if line.startswith("| ")]
-    assert [row[0] for row in table[1:]] == ["| fp32", "| bf16", "| bf16 + fp8"], out
-    bf16 = table[2]
-    assert (bf16[2], bf16[4]) == ("0.0000", "100.00%"), out  # the bf16 run against itself
