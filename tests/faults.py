@@ -6,14 +6,12 @@ mid_step:S      SIGKILL right after step S is dispatched, before its results are
 raise:S         an exception (a bug) in step S
 during_save:S   SIGKILL while checkpoint S is being written in the background
 after_commit:S  SIGKILL right after checkpoint S is committed
-disk_full:S     from checkpoint S on, no file may grow past 1 MB (writes fail as on a full disk)
 hold:S          after step S, wait until the file named by $FAULT_GO exists (another process's turn, for sure)
 in_eval:S       SIGKILL in the evaluation of step S, its scores computed and printed, its row not yet written
 none:0          no fault
 """
 
 import os
-import resource
 import signal
 import sys
 import time
@@ -44,9 +42,6 @@ def take_step(run, step, *args, **kwargs):
 
 
 def save(run, step, *args):
-    if moment == "disk_full" and step == at:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     real_save(run, step, *args)
     if moment == "during_save" and step == at:
         kill()
