@@ -22,12 +22,6 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 import pytest  # noqa: E402
 
 
-def pytest_collection_modifyitems(items):
-    """The end-to-end runs first: `pytest -n 2` then ends on short tests, not with one worker idle while the
-    other finishes a run of minutes (a stable sort: each worker collects the same order, as xdist requires)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """The tiny preset's Shakespeare token files and tokenizer, prepared once per session."""
