@@ -173,7 +173,8 @@ def move_tree(source, target) -> None:
     """Move a checkpoint's folder. A local one is renamed (or, where renames fail, as on a gcsfuse mount,
     copied and removed: shutil.move). Cloud Storage renames nothing: every object is copied on the server,
     then the commit marker is removed first, so that from then on the source is no checkpoint, then the
-    rest. A kill midway leaves the copy, or the source whole, or an unfinished write that Orbax removes."""
+    rest. A kill midway leaves the copy, or the source whole, or an unfinished write that the next writer
+    removes."""
     if not is_gcs(source):
         shutil.move(str(source), str(target))
         return
@@ -1002,6 +1003,12 @@ class Checkpoints:
                 f"run directory {self.dir.parent}: cannot create {self.dir} ({self.cannot_write})"
             )
         self.read_only = read_only or self.cannot_write is not None
+        if not self.read_only and jax.process_index() == 0:
+            # An interrupted save (no commit marker) is never read; remove it now, before this run saves.
+            # (Orbax's own cleanup_tmp_directories does this in a thread it waits for only at the next save,
+            # so a run that stops before saving, or a look right after the start, would still find it.)
+            for name in unfinished_writes(self.dir):
+                remove_tree(self.dir / name)
         _orbax_detail_to(None if self.read_only or jax.process_index() else self.dir.parent / "log.txt")
         _barriers_through_the_coordinator()
         self.options = (
@@ -1011,7 +1018,6 @@ class Checkpoints:
                 max_to_keep=keep_last,
                 keep_period=keep_every or None,
                 enable_async_checkpointing=True,
-                cleanup_tmp_directories=True,  # an interrupted save (no commit marker) is removed, never used
                 atomicity_options=COMMIT,
             )
         )
