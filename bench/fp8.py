@@ -65,7 +65,9 @@ def train(args, files: str, run_dir: Path, policy: list[str]) -> list[dict]:
     recipe += ["--yarn", str(args.seq_len / 256)] if args.seq_len > 256 else []
     recipe += ["--init_from", args.init_from] if args.init_from else []
     run = ["--ckpt_every", str(args.steps), "--eval_every", str(10**9), "--samples", "0", "--mesh", "data=1"]
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    # One CPU device; the caller's other XLA flags kept (the last of a repeated flag is the one XLA takes).
+    one_device = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    env = dict(os.environ, XLA_FLAGS=one_device, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     cmd = [sys.executable, "train.py", *recipe, *policy, *run, "--run_dir", str(run_dir)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if out.returncode:

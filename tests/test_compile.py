@@ -150,7 +150,7 @@ def test_without_microbatch_the_most_rows_that_fit_are_taken_at_once(capsys):
 
 
 def test_dry_run_prints_the_memory_table_per_device(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     args = ["--preset", "tiny", "--dry_run", "--mesh", "fsdp=-1", "--run_dir", str(tmp_path)]
     out = subprocess.run(
         [sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

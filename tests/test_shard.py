@@ -420,7 +420,8 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
         "--data_root",
         str(tiny_data),
     ]
-    devices = f"--xla_force_host_platform_device_count={8 // processes}"
+    # The suite's flags, then this device count (the last of a repeated flag is the one XLA takes).
+    devices = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={8 // processes}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices, PYTHONFAULTHANDLER="1")
     if processes > 1:
         args += [
