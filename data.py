@@ -10,8 +10,8 @@ reference run over the same files:
 - data-parallel rank r of `world` takes rows r, r + world, r + 2*world, ... of every global batch;
 - stage 3 instead packs whole documents into instances (PackedInstances: NumpyPackedFSLDataset), in the same
   global order (PackedLoader), each row with its label mask and its documents.
-Files are local paths or gs:// and http(s):// URLs, read by byte range (read_ranges); the permutation and the
-document index are cached in a work directory, local or gs://, in OLMo-core's file formats.
+Files are local paths or gs://, s3:// and http(s):// URLs, read by byte range (read_ranges); the permutation
+and the document index are cached in a work directory, local or gs://, in OLMo-core's file formats.
 
   python data.py prepare-tiny                      # Shakespeare -> data/tiny/{train,val}/*.npy in seconds
   python data.py tokenize docs/*.jsonl --out data/mine --tokenizer dolma2 --num_proc 8
@@ -149,13 +149,18 @@ def write_atomic(path, text: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Files at a path or a URL (gs://BUCKET/..., http(s)://HOST/...). A URL is read by byte range through
-# TensorStore (installed with Orbax): the reads of a batch go out at once, on its C++ threads, and its gcs and
-# http drivers retry timeouts and 5xx with backoff (RETRIES). A size is the server's metadata (an HTTP HEAD, a
-# GCS object's size), never a download. A URL that is missing or refused is a DataError naming it.
+# Files at a path or a URL (gs://BUCKET/..., s3://BUCKET/..., http(s)://HOST/...). A URL is read by byte range
+# through TensorStore (installed with Orbax): the reads of a batch go out at once, on its C++ threads, and its
+# gcs, s3 and http drivers retry timeouts and 5xx with backoff (RETRIES). A size is the server's metadata (an
+# HTTP HEAD, an object's size), never a download. A URL that is missing or refused is a DataError naming it.
+# s3:// is found as the AWS tools find it: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL for another S3-compatible
+# store (MinIO, R2, ...), AWS_REGION or AWS_DEFAULT_REGION, and the credentials of the environment, else of
+# ~/.aws or the instance.
 
-URL_SCHEMES = ("gs", "http", "https")
+URL_SCHEMES = ("gs", "s3", "http", "https")
+BUCKETS = ("gs", "s3")  # an object name follows the bucket, unquoted; an HTTP path is quoted
 GCS_EXTRA = "pip install -e '.[gcs]'"
+S3_EXTRA = "pip install -e '.[s3]'"
 # Backoff doubling from 0.1 s to 30 s: ~80 s of retries before a read fails (TensorStore's default, 32 retries
 # up to 32 s apart, would wait 15 minutes on a server that is down). TensorStore also cuts a transfer that
 # stalls for 60 s (TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS), and that is retried too.
@@ -170,14 +175,15 @@ def is_url(path: str) -> bool:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """("gs://BUCKET", object name) or ("http(s)://HOST", "/path"); other schemes are refused."""
+    """("gs://BUCKET" or "s3://BUCKET", object name), or ("http(s)://HOST", "/path"); other schemes refused."""
     scheme, _, rest = url.partition("://")
     host, _, key = rest.partition("/")
     if scheme not in URL_SCHEMES or not host or not key:
         raise DataError(
-            f"{url}: expected a local path or gs://BUCKET/PATH, http://HOST/PATH, https://HOST/PATH"
+            f"{url}: expected a local path or gs://BUCKET/PATH, s3://BUCKET/PATH, http://HOST/PATH, "
+            "https://HOST/PATH"
         )
-    return f"{scheme}://{host}", key if scheme == "gs" else "/" + urllib.parse.unquote(key)
+    return f"{scheme}://{host}", key if scheme in BUCKETS else "/" + urllib.parse.unquote(key)
 
 
 def under(root: str, path: str) -> str:
@@ -195,18 +201,31 @@ def _store(root: str):
     limit = {"limit": IN_FLIGHT}
     context = ts.Context(
         {
-            "gcs_request_retries": RETRIES,
-            "http_request_retries": RETRIES,
-            "gcs_request_concurrency": limit,
-            "http_request_concurrency": limit,
+            **{f"{driver}_request_retries": RETRIES for driver in ("gcs", "s3", "http")},
+            **{f"{driver}_request_concurrency": limit for driver in ("gcs", "s3", "http")},
         }
     )
-    gcs = root.startswith("gs://")
-    spec = {"driver": "gcs", "bucket": root[5:]} if gcs else {"driver": "http", "base_url": root}
+    scheme, _, bucket = root.partition("://")
+    spec = {"gs": {"driver": "gcs", "bucket": bucket}, "s3": _s3_spec(bucket)}.get(scheme)
+    spec = spec or {"driver": "http", "base_url": root}
     try:
         return ts.KvStore.open(spec, context=context).result()
     except ValueError as e:  # a bucket name GCS would refuse, say
         raise DataError(f"{root}: {e}") from e
+
+
+def _s3_spec(bucket: str) -> dict:
+    """TensorStore's s3 store of a bucket, configured from the AWS environment variables above."""
+    spec = {"driver": "s3", "bucket": bucket}
+    if endpoint := os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+        spec["endpoint"] = endpoint
+    if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
+        spec["aws_region"] = region  # (else TensorStore asks the bucket where it is)
+    if (
+        "AWS_ACCESS_KEY_ID" in os.environ
+    ):  # named, so the default chain does not log each ~/.aws file it lacks
+        spec["aws_credentials"] = {"type": "environment"}
+    return spec
 
 
 def read_ranges(ranges: list[tuple[str, int, int]]) -> Iterator[bytes]:
@@ -250,7 +269,10 @@ def file_size(path: str) -> int | None:
     if not is_url(path):
         return os.path.getsize(path) if os.path.isfile(path) else None
     root, key = split_url(path)
-    return _gcs_size(root[5:], key, path) if root.startswith("gs://") else _http_size(path)
+    scheme, _, bucket = root.partition("://")
+    if scheme == "gs":
+        return _gcs_size(bucket, key, path)
+    return _s3_size(bucket, key, path) if scheme == "s3" else _http_size(path)
 
 
 def file_sizes(paths: list[str]) -> list[int | None]:
@@ -309,17 +331,64 @@ def _gcs_size(bucket: str, name: str, url: str) -> int | None:
     return None if blob is None else blob.size
 
 
+@functools.cache
+def _s3_client():
+    """boto3's S3 client, for s3:// sizes and listings; it reads the same AWS environment as TensorStore."""
+    try:
+        import boto3
+    except ImportError as e:
+        raise DataError(f"s3:// data needs boto3 for object sizes and listings: {S3_EXTRA}") from e
+    return boto3.client("s3")
+
+
+def _s3_size(bucket: str, name: str, url: str) -> int | None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:  # boto3 retries timeouts, throttling and 5xx itself
+        return _s3_client().head_object(Bucket=bucket, Key=name)["ContentLength"]
+    except ClientError as e:
+        if e.response["Error"]["Code"] in ("404", "NoSuchKey"):
+            return None
+        raise DataError(f"{url}: {e}") from e
+    except BotoCoreError as e:  # no credentials, no answer
+        raise DataError(f"{url}: {e}") from e
+
+
+def _gcs_names(bucket: str, prefix: str) -> list[str]:
+    """The names of a bucket's objects under a prefix; a bucket that cannot be listed is a DataError."""
+    client = _gcs_client()
+    from google.api_core.exceptions import GoogleAPICallError
+
+    try:
+        return [blob.name for blob in client.list_blobs(bucket, prefix=prefix)]
+    except GoogleAPICallError as e:
+        raise DataError(f"gs://{bucket}/{prefix}: listing failed: {e}") from e
+
+
+def _s3_names(bucket: str, prefix: str) -> list[str]:
+    """The names of a bucket's objects under a prefix; a bucket that cannot be listed is a DataError."""
+    client = _s3_client()
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return [entry["Key"] for page in pages for entry in page.get("Contents", [])]
+    except (BotoCoreError, ClientError) as e:
+        raise DataError(f"s3://{bucket}/{prefix}: listing failed: {e}") from e
+
+
 def _glob(pattern: str, flag: str) -> list[str]:
-    """The files a glob matches, sorted; on gs:// from a listing, * and ? within one folder as glob's."""
+    """The files a glob matches, sorted; in a bucket from a listing, * and ? within one folder as glob's."""
     if not is_url(pattern):
         return sorted(glob.glob(pattern))
     root, key = split_url(pattern)
-    if not root.startswith("gs://"):
+    scheme, _, bucket = root.partition("://")
+    if scheme not in BUCKETS:
         raise DataError(
             f"{flag}: {pattern}: an HTTP server lists no files to glob; name each file or use a mix file"
         )
     parts = key.split("/")
-    names = (blob.name for blob in _gcs_client().list_blobs(root[5:], prefix=re.split(r"[*?[]", key)[0]))
+    names = (_gcs_names if scheme == "gs" else _s3_names)(bucket, re.split(r"[*?[]", key)[0])
     matches = lambda name: (
         len(name.split("/")) == len(parts) and all(map(fnmatch.fnmatchcase, name.split("/"), parts))
     )

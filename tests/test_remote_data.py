@@ -1,6 +1,7 @@
-"""Token data by URL: the loaders read gs:// and http(s):// files by byte range from real servers started here
-on 127.0.0.1 (a Cloud Storage emulator from PyPI; Python's HTTP server, taught Range requests, 503s and 403s),
-and their batches are the ones numpy and OLMo-core read from the local copies of the same files."""
+"""Token data by URL: the loaders read gs://, s3:// and http(s):// files by byte range from real servers started
+here on 127.0.0.1 (a Cloud Storage emulator and moto's S3 server, from PyPI; Python's HTTP server, taught Range
+requests, 503s and 403s), and their batches are the ones numpy and OLMo-core read from the local copies of the
+same files."""
 
 import os
 import re
@@ -37,17 +38,23 @@ def http_server():
 @pytest.fixture
 def at_url(request, http_server):
     """at_url(scheme, folder): the URL the files under a local folder are served at, over HTTP or uploaded to a
-    fresh bucket of the GCS emulator."""
+    fresh bucket of the GCS emulator or the S3 server."""
 
     def serve(scheme: str, folder) -> str:
         if scheme == "http":
             return http_server(folder).url
-        bucket = request.getfixturevalue("gcs_emulator").create_bucket(f"data-{uuid.uuid4().hex[:12]}")
+        name = f"data-{uuid.uuid4().hex[:12]}"
+        if scheme == "gs":
+            bucket = request.getfixturevalue("gcs_emulator").create_bucket(name)
+            upload = lambda path, key: bucket.blob(key).upload_from_filename(path)
+        else:
+            s3 = request.getfixturevalue("s3_server")
+            s3.create_bucket(Bucket=name)
+            upload = lambda path, key: s3.upload_file(path, name, key)
         for parent, _, names in os.walk(folder):
-            for name in names:
-                path = os.path.join(parent, name)
-                bucket.blob(os.path.relpath(path, folder)).upload_from_filename(path)
-        return f"gs://{bucket.name}"
+            for file in names:
+                upload(os.path.join(parent, file), os.path.relpath(os.path.join(parent, file), folder))
+        return f"{scheme}://{name}"
 
     return serve
 
@@ -77,15 +84,15 @@ def numpy_documents(paths) -> list[np.ndarray]:
     return [d[:SEQ] for t in tokens for d in np.split(t, np.flatnonzero(t == EOS) + 1) if len(d)]
 
 
-@pytest.mark.parametrize("scheme", ["http", "gs"])
+@pytest.mark.parametrize("scheme", ["http", "gs", "s3"])
 def test_token_loader_at_a_url_gives_numpy_s_batches_of_the_local_files(tmp_path, scheme, at_url):
-    """Stage 1's loader over HTTP (files named under --data_root) and gs:// (a glob, listed): every batch is
+    """Stage 1's loader over HTTP (files named under --data_root) and a bucket (a glob, listed): every batch is
     numpy's, bit for bit, and so is its batch_hash; its fingerprint is the local files', so a run resumes
     across the two copies."""
     paths = write_documents(tmp_path / "mix")
     root = at_url(scheme, tmp_path / "mix")
     names = [os.path.basename(p) for p in paths]
-    spec, data_root = (f"{root}/*.npy", "") if scheme == "gs" else (",".join(names), root)
+    spec, data_root = (",".join(names), root) if scheme == "http" else (f"{root}/*.npy", "")
     files = data.resolve(spec, data_root)[0]
     assert files == [f"{root}/{name}" for name in names]
     loader = data.TokenLoader(files, SEQ, 8, seed=SEED, dtype=DTYPE, vocab_size=VOCAB)
@@ -118,7 +125,7 @@ def test_over_http_sizes_are_heads_and_reads_are_ranges_never_whole_files(tmp_pa
     )  # then one read an instance
 
 
-@pytest.mark.parametrize("scheme", ["http", "gs"])
+@pytest.mark.parametrize("scheme", ["http", "gs", "s3"])
 def test_held_out_sets_from_a_mix_file_at_a_url_are_numpy_s_documents(tmp_path, scheme, at_url):
     """--eval_data as a mix file at a URL, its lines under --data_root at a URL (as OLMo-core resolves
     `{TOKENIZER}`): each set's padded rows and label masks are the documents numpy finds in the local files."""
@@ -178,16 +185,16 @@ def olmo_core_packed_batches(paths, work_dir, batch: int, rank: int, world: int)
     return list(loader)
 
 
-@pytest.mark.parametrize("scheme", ["http", "gs"])
+@pytest.mark.parametrize("scheme", ["http", "gs", "s3"])
 def test_packed_loader_at_a_url_is_olmo_core_s_on_the_local_files_and_scans_once(
     tmp_path, scheme, at_url, monkeypatch
 ):
-    """Stage 3's packed loader over a URL, its work directory on gs:// (or local beside HTTP data): each rank's
+    """Stage 3's packed loader over a URL, its work directory in the bucket (local beside HTTP data): each rank's
     batches, label masks and documents are OLMo-core's from the local files; a second start reads the
     document index from the cache and scans no token."""
     paths = write_documents(tmp_path / "mix", tokens=(1000, 37, 513, 2048, 300, 640, 700, 90))
     root = at_url(scheme, tmp_path / "mix")
-    work = f"{root}/run/data" if scheme == "gs" else str(tmp_path / "run" / "data")
+    work = str(tmp_path / "run" / "data") if scheme == "http" else f"{root}/run/data"
     urls = [f"{root}/{os.path.basename(p)}" for p in paths]
     packing = dict(eos_id=EOS, pad_id=PAD, group_size=2, file_seed=123, seed=SEED, dtype=DTYPE, work_dir=work)
     ours = data.PackedLoader(urls, SEQ, 4, **packing)
@@ -296,12 +303,13 @@ def test_a_stalled_read_is_cut_and_read_again(tmp_path, http_server):
     assert server.stall == 0.0 and len(server.log) == 2 * len(paths) + 8 + 1
 
 
-def test_a_missing_or_refused_url_is_one_line_naming_it(tmp_path, http_server, gcs_emulator):
-    """A 404 (HTTP or gs://) and a 403 stop at the start, in one line naming the URL: the loaders, a mix file,
-    --data_root's held-out sets."""
+def test_a_missing_or_refused_url_is_one_line_naming_it(tmp_path, http_server, gcs_emulator, s3_server):
+    """A 404 (HTTP, gs:// or s3://) and a 403 stop at the start, in one line naming the URL: the loaders, a mix
+    file, --data_root's held-out sets, a bucket that cannot be listed."""
     write_documents(tmp_path / "mix")
     server = http_server(tmp_path / "mix", refuse={"/001.npy"})
     bucket = gcs_emulator.create_bucket(f"data-{uuid.uuid4().hex[:12]}").name
+    s3_server.create_bucket(Bucket=bucket)
     cases = [
         (
             lambda: data.TokenLoader(
@@ -323,8 +331,13 @@ def test_a_missing_or_refused_url_is_one_line_naming_it(tmp_path, http_server, g
             f"--eval_data 'c4=nope.npy' (set c4): token file {server.url}/nope.npy does not exist",
         ),
         (
-            lambda: data.TokenLoader(["s3://bucket/x.npy"], SEQ, 1),
-            "s3://bucket/x.npy: expected a local path or gs://",
+            lambda: data.TokenLoader([f"s3://{bucket}/nope.npy"], SEQ, 1, dtype=DTYPE),
+            f"token file s3://{bucket}/nope.npy does not exist",
+        ),
+        (lambda: data.resolve(f"s3://{bucket}-gone/*.npy"), f"s3://{bucket}-gone/: listing failed: "),
+        (
+            lambda: data.TokenLoader(["ftp://host/x.npy"], SEQ, 1),
+            "ftp://host/x.npy: expected a local path or gs://",
         ),
     ]
     for make, message in cases:

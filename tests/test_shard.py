@@ -11,7 +11,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
+from servers import free_port
 from tolerance import FP32, attention_terms, chain, grad_terms, loss_terms, sum_tol, token_terms
 
 import data
@@ -386,12 +386,6 @@ def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(mo
 
 
 # ---- several processes, as on a pod: JAX's own multi-host runtime, over localhost
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
