@@ -1,8 +1,9 @@
-"""A run directory on Cloud Storage (gs://, on a GCS emulator the tests start on 127.0.0.1) and on a folder that
-renames no directory (as a gcsfuse mount of a flat bucket), end to end through train.py and ckpt.py: killed
-mid-save and rerun, bit for bit the uninterrupted local run, metrics.jsonl one row per step; one writer, a
-stale lock taken over, a lease taken over stops its old holder; a checkpoint without its commit marker never
-read; a corrupt one set aside by a copy (no rename); and the --profile trace, which XProf and Perfetto read."""
+"""A run directory on Cloud Storage (gs://, on a GCS emulator the tests start on 127.0.0.1) and on a folder
+that renames no directory (as a gcsfuse mount of a flat bucket), end to end through train.py and ckpt.py:
+killed mid-save and rerun, bit for bit the uninterrupted local run, metrics.jsonl one row per step; a SIGTERM
+saves and exits 0, and the rerun is bitwise too; one writer, a stale lock taken over, a lease taken over stops
+its old holder; a checkpoint without its commit marker never read; a corrupt one set aside by a copy (no
+rename); and the --profile trace, which XProf and Perfetto read."""
 
 import gzip
 import json
@@ -31,14 +32,18 @@ FLAGS += ["--samples", "0"]
 COMPARED = ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipped")
 
 
-def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False):
+def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=True):
     """train.py through tests/faults.py (or, with no_dir_renames, tests/gcsfuse.py, which refuses directory
-    renames under run_dir), in the environment that points the clients at the emulator."""
+    renames under run_dir), in the environment that points the clients at the emulator; wait=False: started,
+    not waited for (a Popen)."""
     script, env = "faults.py", dict(os.environ)
     if no_dir_renames:
         script, env["NO_DIR_RENAMES"] = "gcsfuse.py", str(run_dir)
     cmd = [sys.executable, str(ROOT / "tests" / script), fault, *FLAGS, "--run_dir", str(run_dir)]
     cmd += ["--data_root", str(data_root), *extra]
+    if not wait:
+        pipe = subprocess.PIPE
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -136,6 +141,27 @@ def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_c
     steps = {n.split("/")[0] for n in names_under(bucket, "runs/tiny/checkpoints/") if n.count("/") == 1}
     assert steps == {"9", "12"}  # --keep_last 2: the older steps removed from the bucket
     readers_take_gs(url, reference, tiny_data, bucket, tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_on_gcs_saves_at_the_next_step_exits_0_and_the_rerun_is_bitwise(tiny_data, reference, bucket):
+    """A preemption's SIGTERM to a run on gs://: it saves at the next step boundary and exits 0, and the rerun
+    resumes there and ends bit for bit the uninterrupted run. The signal is sent once the run holds its lock,
+    which it takes after its signal handler is in place."""
+    url = f"gs://{bucket.name}/run"
+    proc = run(url, tiny_data, wait=False)
+    deadline = time.time() + 300
+    while not bucket.blob("run/lock").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "exiting for the preemption" in stdout, stderr[-3000:]
+    [saved] = [r["step"] for r in ckpt.list_checkpoints(url)][-1:]
+    assert 1 <= saved < STEPS and [r["step"] for r in rows(url) if "loss" in r] == list(range(1, saved + 1))
+    out = run(url, tiny_data)
+    assert out.returncode == 0 and f"(step {saved})" in out.stdout, out.stderr[-3000:]
+    assert_same_as_reference(url, reference)
 
 
 def readers_take_gs(url: str, reference, tiny_data, bucket, tmp_path):
