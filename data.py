@@ -206,8 +206,10 @@ def _store(root: str):
         }
     )
     scheme, _, bucket = root.partition("://")
-    spec = {"gs": {"driver": "gcs", "bucket": bucket}, "s3": _s3_spec(bucket)}.get(scheme)
-    spec = spec or {"driver": "http", "base_url": root}
+    if scheme == "gs":
+        spec = {"driver": "gcs", "bucket": bucket}
+    else:
+        spec = _s3_spec(bucket) if scheme == "s3" else {"driver": "http", "base_url": root}
     try:
         return ts.KvStore.open(spec, context=context).result()
     except ValueError as e:  # a bucket name GCS would refuse, say
@@ -221,9 +223,8 @@ def _s3_spec(bucket: str) -> dict:
         spec["endpoint"] = endpoint
     if region := os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"):
         spec["aws_region"] = region  # (else TensorStore asks the bucket where it is)
-    if (
-        "AWS_ACCESS_KEY_ID" in os.environ
-    ):  # named, so the default chain does not log each ~/.aws file it lacks
+    # Credentials in the environment are named, so that the default chain does not log each ~/.aws file it lacks.
+    if "AWS_ACCESS_KEY_ID" in os.environ:
         spec["aws_credentials"] = {"type": "environment"}
     return spec
 
