@@ -474,21 +474,13 @@ def test_a_resume_that_turns_fp8_on_or_off_is_refused_unless_allowed():
 
 
 def stage3_data(tiny_data, out) -> str:
-    """Stage 3's data scaled down (as bench/fp8.py): the tiny corpus's plays cut into documents of 20 to 400
-    tokens, each ending in EOS, 150 to a file in 4 files; their glob."""
-    tokens, rng, start = (
-        np.fromfile(tiny_data / "train" / "part-00000.npy", np.uint16),
-        np.random.default_rng(0),
-        0,
-    )
+    """Stage 3's data scaled down, as bench/fp8.py makes it: the tiny corpus's plays cut into documents of 20 to
+    400 tokens, each ending in EOS, in 4 files; their glob."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import fp8
+
     out.mkdir(exist_ok=True)
-    for k in range(4):
-        docs = []
-        for n in rng.integers(20, 400, 150):
-            docs.append(np.append(tokens[start : start + n - 1], 0))
-            start += n - 1
-        np.concatenate(docs).astype(np.uint16).tofile(out / f"{k}.npy")
-    return str(out / "*.npy")
+    return fp8.documents(str(tiny_data / "train" / "part-00000.npy"), out)
 
 
 # Stage 3 scaled down to the tiny model: documents packed into rows of twice its context (groups of 2 files,
@@ -537,9 +529,8 @@ def test_a_scaled_down_stage3_trains_in_fp8_a_few_thousandths_from_the_bf16_run(
     )
     bf16_cost, fp8_cost = np.abs(bf16 - fp32).mean(), np.abs(fp8 - bf16).mean()
     assert 0 < bf16_cost < fp8_cost < 0.03, (bf16_cost, fp8_cost)
-    assert (
-        runs["bf16 + fp8"]["mean_kl"] > runs["fp32"]["mean_kl"] > 0
-    )  # in the final weights' predictions too
+    # In the final weights' predictions too.
+    assert runs["bf16 + fp8"]["mean_kl"] > runs["fp32"]["mean_kl"] > 0
 
 
 def test_a_stage3_run_in_fp8_exports_its_fp32_masters_as_plain_hugging_face_weights(
