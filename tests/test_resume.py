@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from damage import delete_item, flip_byte, truncate
+from faults import train_py
 
 import ckpt
 
@@ -44,35 +45,10 @@ FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    # A shared compilation cache makes each restarted process start in seconds.
-    cache = tmp_path_factory.mktemp("jax-cache")
-    return dict(
-        os.environ,
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-    )
-
-
-def run(env, run_dir, data_root, *extra, fault="none:0", wait=True):
-    cmd = [
-        sys.executable,
-        str(ROOT / "tests" / "faults.py"),
-        fault,
-        *FLAGS,
-        "--run_dir",
-        str(run_dir),
-        "--data_root",
-        str(data_root),
-        *extra,
-    ]
-    if not wait:
-        return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def run(run_dir, data_root, *extra, fault="none:0", env=None, wait=True):
+    """train.py on the tiny data with FLAGS and `extra` (tests/faults.py's train_py)."""
+    argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
+    return train_py(argv, fault, env=env, wait=wait)
 
 
 def rows(run_dir, kind="loss") -> list[dict]:
@@ -90,10 +66,10 @@ def final_model(run_dir, step=STEPS):
 
 
 @pytest.fixture(scope="module")
-def reference(env, tiny_data, tmp_path_factory):
+def reference(tiny_data, tmp_path_factory):
     """The uninterrupted run."""
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    out = run(env, run_dir, tiny_data)
+    out = run(run_dir, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     logged = {r["step"]: r for r in rows(run_dir)}
     assert sorted(logged) == list(range(1, STEPS + 1))
@@ -116,20 +92,20 @@ def assert_same_as_reference(run_dir, reference):
 
 
 @pytest.mark.slow
-def test_same_run_twice_is_bitwise_identical(env, tiny_data, reference, tmp_path):
+def test_same_run_twice_is_bitwise_identical(tiny_data, reference, tmp_path):
     # The premise of everything below (CPU XLA with several threads could break it: jax-ml/jax#39741).
-    out = run(env, tmp_path, tiny_data)
+    out = run(tmp_path, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_as_reference(tmp_path, reference)
 
 
 @pytest.mark.slow
-def test_killed_three_times_in_a_row_resumes_bitwise(env, tiny_data, reference, tmp_path):
+def test_killed_three_times_in_a_row_resumes_bitwise(tiny_data, reference, tmp_path):
     for fault in ["mid_step:5", "during_save:6", "after_commit:9"]:
-        out = run(env, tmp_path, tiny_data, fault=fault)
+        out = run(tmp_path, tiny_data, fault=fault)
         assert out.returncode == -signal.SIGKILL, (fault, out.stderr[-3000:])
         assert (tmp_path / "lock").exists()  # left by the killed process ...
-    out = run(env, tmp_path, tiny_data)
+    out = run(tmp_path, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]  # ... and taken over: its process is gone
     assert "resuming from" in out.stdout and "(step 9)" in out.stdout
     assert not (tmp_path / "lock").exists()
@@ -137,9 +113,9 @@ def test_killed_three_times_in_a_row_resumes_bitwise(env, tiny_data, reference, 
 
 
 @pytest.mark.slow
-def test_kill_before_the_first_checkpoint_starts_over(env, tiny_data, reference, tmp_path):
-    assert run(env, tmp_path, tiny_data, fault="mid_step:2").returncode == -signal.SIGKILL
-    out = run(env, tmp_path, tiny_data)
+def test_kill_before_the_first_checkpoint_starts_over(tiny_data, reference, tmp_path):
+    assert run(tmp_path, tiny_data, fault="mid_step:2").returncode == -signal.SIGKILL
+    out = run(tmp_path, tiny_data)
     assert out.returncode == 0 and "resuming from" not in out.stdout
     assert_same_as_reference(tmp_path, reference)
 
@@ -155,8 +131,8 @@ def wait_for_steps(run_dir, n, proc, timeout=300):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_next_step_and_exits_0(env, tiny_data, reference, tmp_path):
-    proc = run(env, tmp_path, tiny_data, wait=False)
+def test_sigterm_saves_at_the_next_step_and_exits_0(tiny_data, reference, tmp_path):
+    proc = run(tmp_path, tiny_data, wait=False)
     wait_for_steps(tmp_path, 4, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
@@ -164,7 +140,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_0(env, tiny_data, reference, t
     assert "exiting for the preemption" in stdout
     saved = ckpt.Checkpoints(tmp_path).steps()
     assert saved and saved[-1] >= 4 and saved[-1] < STEPS
-    out = run(env, tmp_path, tiny_data)
+    out = run(tmp_path, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"(step {saved[-1]})" in out.stdout
     assert_same_as_reference(tmp_path, reference)
@@ -181,13 +157,13 @@ def read_until(proc, text, timeout=300):
 
 
 @pytest.mark.slow
-def test_second_signal_exits_at_once_and_harms_nothing(env, tiny_data, reference, tmp_path):
+def test_second_signal_exits_at_once_and_harms_nothing(tiny_data, reference, tmp_path):
     # A finished run extended by two steps: its first step boundary comes only after the compile, which
     # leaves time for a second signal while the first waits for it.
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     extend = ["--steps", str(STEPS + 2), "--allow_config_change"]
-    proc = run(env, run_dir, tiny_data, *extend, wait=False)
+    proc = run(run_dir, tiny_data, *extend, wait=False)
     read_until(proc, "resuming from")
     proc.send_signal(signal.SIGINT)
     read_until(proc, "saving at the next step boundary")
@@ -195,18 +171,18 @@ def test_second_signal_exits_at_once_and_harms_nothing(env, tiny_data, reference
     proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
     assert ckpt.Checkpoints(run_dir).steps() == [9, STEPS]
-    out = run(env, run_dir, tiny_data, *extend)
+    out = run(run_dir, tiny_data, *extend)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"(step {STEPS})" in out.stdout and max(r["step"] for r in rows(run_dir)) == STEPS + 2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", [truncate, flip_byte, delete_item])
-def test_corrupt_checkpoint_is_set_aside_and_the_previous_used(env, tiny_data, reference, tmp_path, damage):
+def test_corrupt_checkpoint_is_set_aside_and_the_previous_used(tiny_data, reference, tmp_path, damage):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     damage(run_dir / "checkpoints" / str(STEPS))
-    out = run(env, run_dir, tiny_data)
+    out = run(run_dir, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "is corrupt" in out.stderr and "(step 9)" in out.stdout
     assert [p.name.split("-")[0] for p in (run_dir / "quarantined").iterdir()] == [str(STEPS)]
@@ -215,7 +191,7 @@ def test_corrupt_checkpoint_is_set_aside_and_the_previous_used(env, tiny_data, r
 
 @pytest.mark.slow
 def test_a_run_whose_every_checkpoint_is_unreadable_stops_unless_told_to_start_over(
-    env, tiny_data, reference, tmp_path
+    tiny_data, reference, tmp_path
 ):
     """A flaky mount must not erase a run: with no checkpoint readable the run stops, naming what it set
     aside, and again at the next start (they are in quarantined/ now); --start_over trains from step 0."""
@@ -225,7 +201,7 @@ def test_a_run_whose_every_checkpoint_is_unreadable_stops_unless_told_to_start_o
         truncate(run_dir / "checkpoints" / str(step))
     before = (run_dir / "metrics.jsonl").read_text()
     for _ in range(2):
-        out = run(env, run_dir, tiny_data)
+        out = run(run_dir, tiny_data)
         assert out.returncode == 1, out.stderr[-3000:]
         last = out.stderr.strip().splitlines()[-1]
         assert last.startswith(f"error: no checkpoint of {run_dir} reads back intact: "), out.stderr[-3000:]
@@ -233,41 +209,41 @@ def test_a_run_whose_every_checkpoint_is_unreadable_stops_unless_told_to_start_o
         assert (run_dir / "metrics.jsonl").read_text() == before
     assert "NoValidCheckpoint" in (run_dir / "log.txt").read_text()  # the full story, traceback and all
     assert sorted(p.name.split("-")[0] for p in (run_dir / "quarantined").iterdir()) == [str(STEPS), "9"]
-    out = run(env, run_dir, tiny_data, "--start_over")
+    out = run(run_dir, tiny_data, "--start_over")
     assert out.returncode == 0 and "resuming from" not in out.stdout, out.stderr[-3000:]
     assert_same_as_reference(run_dir, reference)
 
 
 @pytest.mark.slow
-def test_finished_run_exits_0_and_trains_nothing(env, tiny_data, reference, tmp_path):
+def test_finished_run_exits_0_and_trains_nothing(tiny_data, reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     before = (run_dir / "metrics.jsonl").read_text()
-    out = run(env, run_dir, tiny_data)
+    out = run(run_dir, tiny_data)
     assert out.returncode == 0 and "already complete" in out.stdout
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert ckpt.Checkpoints(run_dir).steps() == [9, STEPS]
 
 
 @pytest.mark.slow
-def test_changed_recipe_is_refused_unless_allowed(env, tiny_data, reference, tmp_path):
+def test_changed_recipe_is_refused_unless_allowed(tiny_data, reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
-    out = run(env, run_dir, tiny_data, "--seed", "7")
+    out = run(run_dir, tiny_data, "--seed", "7")
     assert out.returncode == 2 and "seed: 34521 -> 7" in out.stderr
-    out = run(env, run_dir, tiny_data, "--global_batch", "8")
+    out = run(run_dir, tiny_data, "--global_batch", "8")
     assert out.returncode == 2 and "global_batch: 4 -> 8" in out.stderr
-    out = run(env, run_dir, tiny_data, "--head_layout", "2x128", "--allow_config_change")
+    out = run(run_dir, tiny_data, "--head_layout", "2x128", "--allow_config_change")
     assert out.returncode == 2 and "holds another model: num_attention_heads 4 vs 2" in out.stderr
-    out = run(env, run_dir, tiny_data, "--steps", "14")
+    out = run(run_dir, tiny_data, "--steps", "14")
     assert out.returncode == 2 and "steps: 12 -> 14" in out.stderr and "--allow_config_change" in out.stderr
-    out = run(env, run_dir, tiny_data, "--steps", "14", "--allow_config_change")
+    out = run(run_dir, tiny_data, "--steps", "14", "--allow_config_change")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [r["step"] for r in rows(run_dir)][-2:] == [13, 14]
 
 
 @pytest.mark.slow
-def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(env, tiny_data, reference, tmp_path):
+def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(tiny_data, reference, tmp_path):
     """The run directory on a 100 MB tmpfs of its own (a mount namespace): checkpoint 3 (67 MB) fits, 6 does
     not, and the write fails with ENOSPC as on a full disk. The run stops in one line naming the save, keeps
     checkpoint 3 and no half of 6. The run directory is copied out before the mount goes away, then resumed
@@ -290,7 +266,7 @@ def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(env, tiny_data, re
         f"mount -t tmpfs -o size=100m tmpfs {disk} && {{ {cmd}; echo exit=$?; cp -r {disk}/run {saved}; }}"
     )
     out = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        ["unshare", "-rm", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     if "exit=" not in out.stdout:
         pytest.skip(f"no private tmpfs here (unshare -rm): {out.stderr[-300:]}")
@@ -303,19 +279,19 @@ def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(env, tiny_data, re
     # The write fails in the background; the loop stops at the first step boundary after it does, at the
     # latest before it would save again: it never goes on without checkpoints.
     assert max(r["step"] for r in rows(saved)) < 9
-    out = run(env, saved, tiny_data)
+    out = run(saved, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(step 3)" in out.stdout
     assert_same_as_reference(saved, reference)
 
 
 @pytest.mark.slow
-def test_a_second_process_on_the_run_directory_is_refused_at_once(env, tiny_data, reference, tmp_path):
+def test_a_second_process_on_the_run_directory_is_refused_at_once(tiny_data, reference, tmp_path):
     go = tmp_path.parent / f"{tmp_path.name}.go"  # the first run holds after step 5 until this exists
-    first = run(dict(env, FAULT_GO=str(go)), tmp_path, tiny_data, fault="hold:5", wait=False)
+    first = run(tmp_path, tiny_data, fault="hold:5", env=dict(os.environ, FAULT_GO=str(go)), wait=False)
     wait_for_steps(tmp_path, 2, first)
     t0 = time.time()
-    second = run(env, tmp_path, tiny_data)
+    second = run(tmp_path, tiny_data)
     go.touch()
     assert second.returncode == 1 and time.time() - t0 < 60, second.stdout[-2000:]
     assert (
@@ -329,30 +305,30 @@ def test_a_second_process_on_the_run_directory_is_refused_at_once(env, tiny_data
 
 
 @pytest.mark.slow
-def test_a_lock_held_on_another_host_is_refused_and_nothing_is_written(env, tiny_data, tmp_path):
+def test_a_lock_held_on_another_host_is_refused_and_nothing_is_written(tiny_data, tmp_path):
     (tmp_path / "lock").write_text(
         json.dumps(
             {"host": "node-7", "pid": 4242, "started": "1", "job": "x", "since": "2026-11-30 09:00:00"}
         )
     )
-    out = run(env, tmp_path, tiny_data)
+    out = run(tmp_path, tiny_data)
     assert out.returncode == 1 and f"{tmp_path} is in use by process 4242 on host node-7" in out.stderr
     assert f"remove {tmp_path / 'lock'}" in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]
 
 
 @pytest.mark.slow
-def test_an_emptied_checkpoint_folder_retrains_without_repeating_rows(env, tiny_data, reference, tmp_path):
+def test_an_emptied_checkpoint_folder_retrains_without_repeating_rows(tiny_data, reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     shutil.rmtree(run_dir / "checkpoints")
-    out = run(env, run_dir, tiny_data)
+    out = run(run_dir, tiny_data)
     assert out.returncode == 0 and "resuming from" not in out.stdout, out.stderr[-3000:]
     assert_same_as_reference(run_dir, reference)
 
 
 @pytest.mark.slow
-def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, reference, tmp_path):
+def test_eval_only_adds_a_marked_row_and_never_rewrites_one(tiny_data, reference, tmp_path):
     """--eval_only twice on a finished run: every byte the run wrote stays, two marked rows are added after
     it (the same checkpoint: the same numbers as the run's own evaluation), eval_loss keeps its one meaning;
     on a read-only directory it prints its table and says in one line that it could not add the row."""
@@ -360,7 +336,7 @@ def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, refe
     shutil.copytree(reference[0], run_dir)
     config, written = (run_dir / "config.json").read_text(), (run_dir / "metrics.jsonl").read_text()
     for _ in range(2):
-        out = run(env, run_dir, tiny_data, "--eval_only")
+        out = run(run_dir, tiny_data, "--eval_only")
         assert out.returncode == 0, out.stderr[-3000:]
     assert f"step {STEPS}: held-out evaluation" in out.stdout
     text = (run_dir / "metrics.jsonl").read_text()
@@ -371,7 +347,7 @@ def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, refe
     assert [r["eval/lm/tiny-val/CE loss"] for r in added] == [trained["eval/lm/tiny-val/CE loss"]] * 2
     assert all("eval_loss" not in r and r["eval_sets"] == "tiny-val" for r in added)
     assert (run_dir / "config.json").read_text() == config
-    out = run(env, run_dir, tiny_data, "--eval_only", fault=f"in_eval:{STEPS}")  # killed before its row
+    out = run(run_dir, tiny_data, "--eval_only", fault=f"in_eval:{STEPS}")  # killed before its row
     assert out.returncode == -9 and (run_dir / "metrics.jsonl").read_text() == text
     # On a read-only mount (a mount namespace of its own; root ignores file modes), the same command.
     command = " ".join([sys.executable, "tests/faults.py", "none:0", *FLAGS, "--data_root", str(tiny_data)])
@@ -379,9 +355,7 @@ def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, refe
         f"mount --bind {run_dir} {run_dir} && mount -o remount,ro,bind {run_dir} && "
         f"! touch {run_dir}/x 2>/dev/null && {command} --run_dir {run_dir} --eval_only"
     )
-    out = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", readonly], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", readonly], cwd=ROOT, capture_output=True, text=True)
     if "mount" not in out.stderr:  # (no private mounts here: skip this part)
         assert out.returncode == 0 and f"step {STEPS}: held-out evaluation" in out.stdout, out.stderr[-3000:]
         assert "--eval_only: could not add this evaluation to " in out.stdout
@@ -389,19 +363,19 @@ def test_eval_only_adds_a_marked_row_and_never_rewrites_one(env, tiny_data, refe
 
 
 @pytest.mark.slow
-def test_refused_resume_and_dry_run_leave_the_run_directory_as_it_was(env, tiny_data, reference, tmp_path):
+def test_refused_resume_and_dry_run_leave_the_run_directory_as_it_was(tiny_data, reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    out = run(env, run_dir, tiny_data, "--lr", "1e-3")
+    out = run(run_dir, tiny_data, "--lr", "1e-3")
     assert out.returncode == 2 and "lr: 0.002 -> 0.001" in out.stderr
-    out = run(env, run_dir, tiny_data, "--dry_run")
+    out = run(run_dir, tiny_data, "--dry_run")
     assert out.returncode == 0 and "dry run:" in out.stdout
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.slow
-def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(env, tiny_data, tmp_path):
+def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(tiny_data, tmp_path):
     import data
     import train
 
@@ -413,7 +387,7 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
         [str(bad)], 64, 4, seed=train.TrainConfig.seed, dtype=np.uint16, vocab_size=8192
     )
     step = next(i for i in range(loader.num_batches) if 300 in loader.batch_indices(i))
-    out = run(env, tmp_path / "run", tiny_data, "--data", str(bad), "--steps", str(step + 1))
+    out = run(tmp_path / "run", tiny_data, "--data", str(bad), "--steps", str(step + 1))
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == (
         f"error: {bad}: token {64 * 300 + 5} has id 9000, not below the vocabulary of 8192; `python data.py check "
@@ -424,24 +398,24 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
 
 
 @pytest.mark.slow
-def test_a_run_dir_that_is_or_lies_under_a_file_is_refused_in_one_line(env, tiny_data, tmp_path):
+def test_a_run_dir_that_is_or_lies_under_a_file_is_refused_in_one_line(tiny_data, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     for run_dir, says in [(blocker, " is a file"), (blocker / "run", ": cannot create it (Not a directory)")]:
-        out = run(env, run_dir, tiny_data)
+        out = run(run_dir, tiny_data)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
         assert out.stderr.strip().splitlines()[-1].startswith(f"error: --run_dir {run_dir}{says}")
     assert blocker.read_text() == "not a directory"
 
 
-def read_only(run_dir: Path, commands: list[list[str]], env, logs: Path):
+def read_only(run_dir: Path, commands: list[list[str]], logs: Path):
     """Each of `commands` run with `run_dir` mounted read-only (a mount namespace of its own), its output in
     logs/<i>.out and .err and its exit status in logs/<i>.rc; skips where private mounts are not allowed."""
     script = [f"mount --bind {run_dir} {run_dir} && mount -o remount,ro,bind {run_dir} && echo mounted"]
     for i, cmd in enumerate(commands):
         script.append(f"{' '.join(map(str, cmd))} >{logs}/{i}.out 2>{logs}/{i}.err; echo $? >{logs}/{i}.rc")
     out = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", "; ".join(script)], cwd=ROOT, env=env, capture_output=True, text=True
+        ["unshare", "-rm", "sh", "-c", "; ".join(script)], cwd=ROOT, capture_output=True, text=True
     )
     if "mounted" not in out.stdout:
         pytest.skip(f"no private read-only mount here (unshare -rm): {out.stderr[-300:]}")
@@ -451,7 +425,7 @@ def read_only(run_dir: Path, commands: list[list[str]], env, logs: Path):
 
 @pytest.mark.slow
 def test_a_read_only_run_dir_is_read_when_complete_and_refused_in_one_line_otherwise(
-    env, tiny_data, reference, tmp_path
+    tiny_data, reference, tmp_path
 ):
     run_dir = tmp_path / "run"
     shutil.copytree(reference[0], run_dir)
@@ -459,7 +433,7 @@ def test_a_read_only_run_dir_is_read_when_complete_and_refused_in_one_line_other
     train = [sys.executable, ROOT / "tests" / "faults.py", "none:0", *FLAGS, "--data_root", tiny_data]
     train += ["--run_dir", run_dir]
     complete, extended = read_only(
-        run_dir, [train, [*train, "--steps", "14", "--allow_config_change"]], env, tmp_path
+        run_dir, [train, [*train, "--steps", "14", "--allow_config_change"]], tmp_path
     )
     assert complete[0] == 0 and "already complete" in complete[1], complete[2][-3000:]
     assert extended[0] == 1 and "Traceback" not in extended[2], extended[2][-3000:]
@@ -482,13 +456,13 @@ def ckpt_cli(*args):
 
 
 @pytest.mark.slow
-def test_from_hf_starts_a_run_at_step_0_and_says_how(env, tiny_data, reference, tmp_path):
+def test_from_hf_starts_a_run_at_step_0_and_says_how(tiny_data, reference, tmp_path):
     assert ckpt_cli("to-hf", reference[0], tmp_path / "hf").returncode == 0
     out = ckpt_cli("from-hf", tmp_path / "hf", tmp_path / "run")
     assert out.returncode == 0, out.stderr
     assert f"python train.py --preset tiny --run_dir {tmp_path / 'run'} --data YOUR_TOKEN_FILES" in out.stdout
     assert ckpt.Checkpoints(tmp_path / "run").steps() == [0]
-    out = run(env, tmp_path / "run", tiny_data, "--steps", "2", "--lr_horizon", "2")
+    out = run(tmp_path / "run", tiny_data, "--steps", "2", "--lr_horizon", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in out.stdout and "(step 0)" in out.stdout
     first = rows(tmp_path / "run")[0]
