@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -19,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from faults import train_py
 
 import ckpt
 import olmo3
@@ -33,18 +33,12 @@ COMPARED = ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipp
 
 
 def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=True):
-    """train.py through tests/faults.py (or, with no_dir_renames, tests/gcsfuse.py, which refuses directory
-    renames under run_dir), in the environment that points the clients at the emulator; wait=False: started,
-    not waited for (a Popen)."""
-    script, env = "faults.py", dict(os.environ)
+    """train.py (tests/faults.py's train_py), or with no_dir_renames through tests/gcsfuse.py, which refuses
+    directory renames under run_dir; wait=False: started, not waited for (a Popen)."""
+    argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
     if no_dir_renames:
-        script, env["NO_DIR_RENAMES"] = "gcsfuse.py", str(run_dir)
-    cmd = [sys.executable, str(ROOT / "tests" / script), fault, *FLAGS, "--run_dir", str(run_dir)]
-    cmd += ["--data_root", str(data_root), *extra]
-    if not wait:
-        pipe = subprocess.PIPE
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        return train_py(argv, fault, script="gcsfuse.py", env=dict(os.environ, NO_DIR_RENAMES=str(run_dir)))
+    return train_py(argv, fault, wait=wait)
 
 
 def rows(run_dir) -> list[dict]:

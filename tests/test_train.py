@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from faults import train_py
 from tolerance import FP32, chain, grad_terms, loss_terms, mean_terms, sum_tol
 
 import data
@@ -820,21 +821,9 @@ def test_init_from_a_hugging_face_directory_starts_from_those_weights(tmp_path, 
     import data
 
     ckpt.save_hf(olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(42)), tmp_path / "hf")
-    out = run_train(
-        "--preset",
-        "tiny",
-        "--steps",
-        "1",
-        "--run_dir",
-        str(tmp_path / "run"),
-        "--data_root",
-        str(tiny_data),
-        "--init_from",
-        str(tmp_path / "hf"),
-        "--samples",
-        "0",
-        "--eval_every",
-        "100",
+    start = ["--preset", "tiny", "--steps", "1", "--samples", "0", "--data_root", tiny_data]
+    out = train_py(
+        [*start, "--run_dir", tmp_path / "run", "--init_from", tmp_path / "hf", "--eval_every", "100"]
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (
@@ -861,18 +850,7 @@ def test_init_from_a_hugging_face_directory_starts_from_those_weights(tmp_path, 
         olmo3.MODELS["tiny"], n_layers=8, layer_types=olmo3.MODELS["tiny"].layer_types * 2
     )
     ckpt.save_hf(olmo3.Olmo3(other, key=jax.random.key(0)), tmp_path / "hf8")
-    out = run_train(
-        "--preset",
-        "tiny",
-        "--steps",
-        "1",
-        "--run_dir",
-        str(tmp_path / "run8"),
-        "--data_root",
-        str(tiny_data),
-        "--init_from",
-        str(tmp_path / "hf8"),
-    )
+    out = train_py([*start, "--run_dir", tmp_path / "run8", "--init_from", tmp_path / "hf8"])
     # Refused as bad usage, in one line, before anything is compiled or the run directory is made.
     said = f"error: --init_from {tmp_path / 'hf8'}: {tmp_path / 'hf8'} holds another model than the run's: "
     assert out.returncode == 2 and out.stderr.startswith(said), out.stderr[-3000:]
