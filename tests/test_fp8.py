@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from faults import train_py
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torchao.float8 import Float8LinearConfig
@@ -580,17 +581,7 @@ def test_a_stage3_run_in_fp8_killed_mid_step_resumes_bitwise(tiny_data, tmp_path
     files = stage3_data(tiny_data, tmp_path / "data")
 
     def run(run_dir, fault="none:0"):
-        cmd = [
-            sys.executable,
-            "tests/faults.py",
-            fault,
-            *flags.split(),
-            "--data",
-            files,
-            "--run_dir",
-            str(run_dir),
-        ]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return train_py([*flags.split(), "--data", files, "--run_dir", run_dir], fault)
 
     def rows(run_dir):
         return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from faults import train_py
 from hf_models import FULL, make_hf
 from test_stages import SMALL, arrays, on_tiny, small_recipe, stage1_run, started  # noqa: F401 (a fixture)
 from tolerance import attention_terms, chain, grad_terms, loss_terms, mean_terms, model_terms, sum_tol
@@ -482,7 +483,6 @@ def test_a_packed_run_over_a_context_axis_killed_mid_step_resumes_bitwise(tmp_pa
     each document, rows split over a context axis): killed mid-step and restarted, it logs every step once,
     bit for bit as the uninterrupted run, whose data position is a function of the step alone."""
     import json
-    import os
     import signal
 
     rng = np.random.default_rng(0)
@@ -492,16 +492,8 @@ def test_a_packed_run_over_a_context_axis_killed_mid_step_resumes_bitwise(tmp_pa
     flags = "--preset tiny --seq_len 256 --global_batch 4 --steps 8 --lr_horizon 8 --warmup_steps 2"
     flags += " --ckpt_every 3 --eval_every 1000 --samples 0 --pack_files 2 --file_seed 123 --yarn 8"
     flags += " --positions document --mesh context=2"
-    cache = dict(
-        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"
-    )
-
-    def run(run_dir, fault="none:0"):
-        cmd = [sys.executable, "tests/faults.py", fault, *flags.split(), "--data", str(tmp_path / "*.npy")]
-        env = dict(os.environ, **cache)
-        return subprocess.run(
-            [*cmd, "--run_dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-        )
+    argv = [*flags.split(), "--data", tmp_path / "*.npy"]
+    run = lambda run_dir, fault="none:0": train_py([*argv, "--run_dir", run_dir], fault)
 
     def rows(run_dir):
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()

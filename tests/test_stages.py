@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from faults import train_py
 
 import ckpt
 import olmo3
@@ -463,16 +464,15 @@ def test_a_start_killed_while_its_first_checkpoint_is_written_starts_again_bit_f
     stage1 = dataclasses.replace(train.PRESETS["tiny"], skip_window=16)
     stage1_run(tmp_path / "stage1", stage1, seed=0, steps=(40,), model_cfg=olmo3.MODELS["tiny"])
     argv = [*STAGE_START, "--data_root", tiny_data, "--init_from", tmp_path / "stage1"]
-    whole = command("train.py", *argv, "--run_dir", tmp_path / "whole")
-    killed = command("tests/faults.py", "during_save:2", *argv, "--run_dir", tmp_path / "killed")
-    (_, killed_err), (_, err) = killed.communicate(timeout=600), whole.communicate(timeout=600)
-    assert whole.returncode == 0, err[-3000:]
+    killed = train_py([*argv, "--run_dir", tmp_path / "killed"], "during_save:2", wait=False)
+    whole = train_py([*argv, "--run_dir", tmp_path / "whole"])  # meanwhile, in this process
+    _, killed_err = killed.communicate(timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
     assert killed.returncode == -signal.SIGKILL, killed_err[-3000:]
     assert not ckpt.has_checkpoints(tmp_path / "killed")  # killed before its first checkpoint committed
-    again = command("train.py", *argv, "--run_dir", tmp_path / "killed")
-    out, err = again.communicate(timeout=600)
-    assert again.returncode == 0, err[-3000:]
-    assert f"starting from {tmp_path / 'stage1'}@40 (run: weights, Adam's moments and count)" in out
+    again = train_py([*argv, "--run_dir", tmp_path / "killed"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"starting from {tmp_path / 'stage1'}@40 (run: weights, Adam's moments and count)" in again.stdout
     rows = lambda run: [json.loads(r) for r in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     steps = lambda run: [
         (r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows(run) if "loss" in r
