@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import zipfile
 from collections import deque
 from pathlib import Path
@@ -493,13 +494,24 @@ def log_error(run_dir, what: str, e: BaseException) -> None:
     written is said in a line, never raised over the error being reported."""
     if jax.process_index() != 0:
         return
-    import traceback
-
-    story = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{''.join(traceback.format_exception(e))}\n"
+    story = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{format_traceback(e)}\n"
     try:
         append_text(run_path(run_dir) / "log.txt", story)
     except Exception as failed:  # said, never raised over the error being reported
         print(f"also: could not write {run_path(run_dir) / 'log.txt'}: {failed}", file=sys.stderr)
+
+
+# One traceback formatted at a time, whichever thread: CPython 3.11 places a frame's ^^^ markers with
+# ast.parse, whose state all threads share, and two at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (python/cpython#106905). Orbax's late reports come on TensorStore's threads,
+# while this one may be logging the error they follow. Reentrant: a report may come from a finalizer that
+# the garbage collector runs inside a formatting.
+_FORMATTING = threading.RLock()
+
+
+def format_traceback(e: BaseException) -> str:
+    with _FORMATTING:
+        return "".join(traceback.format_exception(e))
 
 
 @contextlib.contextmanager
@@ -933,7 +945,9 @@ class _AppendHandler(logging.Handler):
 
     def emit(self, record):
         try:
-            append_text(self.path, self.format(record) + "\n")
+            with _FORMATTING:  # its exception's traceback too (format_traceback)
+                text = self.format(record)
+            append_text(self.path, text + "\n")
         except Exception:  # logging's own way: said on stderr, never raised into Orbax
             self.handleError(record)
 
@@ -959,9 +973,7 @@ def _late_callback(default, log, unraisable) -> None:
     closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
     if closed_loop or from_orbax:
         if log:
-            import traceback
-
-            append_text(log, "".join(traceback.format_exception(unraisable.exc_value)))
+            append_text(log, format_traceback(unraisable.exc_value))
     else:
         default(unraisable)
 

@@ -1536,6 +1536,7 @@ def field_comments(cls) -> dict[str, str]:
     return comments
 
 
+@functools.cache  # read from this file's source once (ast.parse: see ckpt.format_traceback)
 def flags() -> dict[str, tuple[dataclasses.Field, str]]:
     """Every flag: its field and that field's comment. Compute's fields are flags of their own."""
     out = {}

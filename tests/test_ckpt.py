@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import ckpt_py
 from damage import flip_byte, truncate
 from hf_models import FULL, hf_logits, make_hf
 from transformers import Olmo3ForCausalLM
@@ -40,12 +41,6 @@ def tokens(n=40, vocab=300, seed=0, batch=2):
 
 def rel_err(a, b):
     return np.abs(a - b).max() / np.abs(b).max()
-
-
-def ckpt_cli(*args):
-    return subprocess.run(
-        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
 
 
 def saved_run(run_dir, tiny_data, steps=(9, 12)):
@@ -406,7 +401,7 @@ def test_list_shows_steps_and_validity_and_writes_nothing(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     saved_run(run_dir, tiny_data)
     before = tree(run_dir)
-    out = ckpt_cli("list", run_dir)
+    out = ckpt_py("list", run_dir)
     assert out.returncode == 0, out.stderr
     assert [line.split()[0] for line in out.stdout.splitlines()[1:]] == ["9", "12"]
     assert tree(run_dir) == before  # read-only: no probe file, no lock, no log
@@ -422,7 +417,7 @@ def test_list_shows_steps_and_validity_and_writes_nothing(tiny_data, tmp_path):
         assert mounted.returncode == 0 and mounted.stdout == out.stdout, mounted.stderr[-2000:]
     flip_byte(run_dir / "checkpoints" / "9")
     truncate(run_dir / "checkpoints" / "12")
-    out = ckpt_cli("list", run_dir)
+    out = ckpt_py("list", run_dir)
     assert out.returncode == 1 and "NO: checksum mismatch in train" in out.stdout
     assert f"{12:>10}" in out.stdout and "NO: arrays unreadable: " in out.stdout
     lines = (out.stdout + out.stderr).strip().splitlines()  # a line each, no pages of TensorStore detail
@@ -431,7 +426,7 @@ def test_list_shows_steps_and_validity_and_writes_nothing(tiny_data, tmp_path):
 
 def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_path):
     for args in [("list", tmp_path / "typo"), ("to-hf", tmp_path / "typo", tmp_path / "out")]:
-        out = ckpt_cli(*args)
+        out = ckpt_py(*args)
         assert out.returncode == 1
         assert (
             out.stderr.strip()
@@ -439,7 +434,7 @@ def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_
             "a run directory?"
         ), out.stderr
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
-    out = ckpt_cli("to-hf", tmp_path / "empty", tmp_path / "out")
+    out = ckpt_py("to-hf", tmp_path / "empty", tmp_path / "out")
     assert out.returncode == 1 and out.stderr.strip() == (
         f"error: {tmp_path / 'empty' / 'checkpoints'} has no checkpoint (steps: [])"
     ), out.stderr
@@ -453,7 +448,7 @@ def test_to_hf_exports_what_transformers_loads_with_its_tokenizer(tiny_data, tmp
 
     ours = saved_run(tmp_path / "run", tiny_data)
     flip_byte(tmp_path / "run" / "checkpoints" / "12")  # the newest is corrupt: the one before is exported
-    out = ckpt_cli("to-hf", tmp_path / "run", tmp_path / "hf")
+    out = ckpt_py("to-hf", tmp_path / "run", tmp_path / "hf")
     assert out.returncode == 0, out.stderr
     assert "wrote step 9" in out.stdout and "checkpoint 12 is corrupt" in out.stderr
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["12", "9"]  # reads only
@@ -474,7 +469,7 @@ def test_to_hf_exports_what_transformers_loads_with_its_tokenizer(tiny_data, tmp
 
 def test_from_hf_names_a_damaged_directory_in_one_line_and_writes_nothing(tmp_path):
     for name, (hf_dir, says) in damaged_hf_dirs(tmp_path).items():
-        out = ckpt_cli("from-hf", hf_dir, tmp_path / f"run-{name}")
+        out = ckpt_py("from-hf", hf_dir, tmp_path / f"run-{name}")
         assert out.returncode == 1 and out.stderr.strip().startswith(f"error: {says}"), out.stderr[-2000:]
         assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / f"run-{name}").exists()
 

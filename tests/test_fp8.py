@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from faults import train_py
+from commands import train_py
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torchao.float8 import Float8LinearConfig

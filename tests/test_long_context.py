@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from faults import train_py
+from commands import train_py
 from hf_models import FULL, make_hf
 from test_stages import SMALL, arrays, on_tiny, small_recipe, stage1_run, started  # noqa: F401 (a fixture)
 from tolerance import attention_terms, chain, grad_terms, loss_terms, mean_terms, model_terms, sum_tol

@@ -13,6 +13,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import pytest
+from commands import ckpt_py
 from damage import flip_byte
 
 import ckpt
@@ -88,17 +89,11 @@ def test_a_sound_checkpoint_of_another_shape_is_refused_in_one_line_and_stays(fo
     assert (run_dir / "checkpoints" / "4").is_dir() and not (run_dir / "quarantined").exists()
 
 
-def ckpt_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True
-    )
-
-
 def test_a_corrupt_step_asked_for_is_named_with_its_path_and_step(four_steps, tmp_path):
     run_dir = tmp_path / "copy"
     shutil.copytree(four_steps, run_dir)
     flip_byte(run_dir / "checkpoints" / "4")
-    out = ckpt_cli("to-hf", run_dir, tmp_path / "hf", "--step", "4")
+    out = ckpt_py("to-hf", run_dir, tmp_path / "hf", "--step", "4")
     where = run_dir.absolute() / "checkpoints" / "4"
     assert out.returncode == 1 and out.stderr.startswith(
         f"error: checkpoint {where} (step 4): checksum mismatch"
@@ -110,7 +105,7 @@ def test_list_names_an_interrupted_first_write_and_fails(tmp_path):
     folder = tmp_path / "run" / "checkpoints"
     (folder / "0.orbax-checkpoint-tmp-1764").mkdir(parents=True)
     (tmp_path / "run" / "lock").write_text("pid 1 on another-host\n")
-    out = ckpt_cli("list", tmp_path / "run")
+    out = ckpt_py("list", tmp_path / "run")
     assert out.returncode == 1
     assert out.stdout.splitlines()[-1] == (
         f"no committed checkpoint in {folder}; only interrupted writes, never committed: 0.orbax-checkpoint-tmp-1764"
@@ -119,12 +114,12 @@ def test_list_names_an_interrupted_first_write_and_fails(tmp_path):
 
 def test_ckpt_py_names_no_flag_it_does_not_have(tmp_path):
     (tmp_path / "file").write_text("not a directory")
-    out = ckpt_cli("from-hf", tmp_path / "nowhere", tmp_path / "file" / "run")
+    out = ckpt_py("from-hf", tmp_path / "nowhere", tmp_path / "file" / "run")
     assert out.returncode == 1 and "--run_dir" not in out.stderr and out.stderr.count("\n") == 1
 
 
 def test_average_of_a_run_with_itself_is_refused_before_anything_is_written(four_steps, tmp_path):
-    out = ckpt_cli("average", four_steps, f"{four_steps}/", tmp_path / "soup")
+    out = ckpt_py("average", four_steps, f"{four_steps}/", tmp_path / "soup")
     assert out.returncode == 1 and "are one run" in out.stderr and out.stderr.count("\n") == 1
     assert not (tmp_path / "soup").exists()
 

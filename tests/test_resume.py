@@ -16,8 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from commands import ckpt_py, train_py
 from damage import delete_item, flip_byte, truncate
-from faults import train_py
 
 import ckpt
 
@@ -449,16 +449,10 @@ def test_a_read_only_run_dir_is_read_when_complete_and_refused_in_one_line_other
 # ---- `ckpt.py from-hf`, then train.py continues from its step 0
 
 
-def ckpt_cli(*args):
-    return subprocess.run(
-        [sys.executable, "ckpt.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.mark.slow
 def test_from_hf_starts_a_run_at_step_0_and_says_how(tiny_data, reference, tmp_path):
-    assert ckpt_cli("to-hf", reference[0], tmp_path / "hf").returncode == 0
-    out = ckpt_cli("from-hf", tmp_path / "hf", tmp_path / "run")
+    assert ckpt_py("to-hf", reference[0], tmp_path / "hf").returncode == 0
+    out = ckpt_py("from-hf", tmp_path / "hf", tmp_path / "run")
     assert out.returncode == 0, out.stderr
     assert f"python train.py --preset tiny --run_dir {tmp_path / 'run'} --data YOUR_TOKEN_FILES" in out.stdout
     assert ckpt.Checkpoints(tmp_path / "run").steps() == [0]

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from faults import train_py
+from commands import train_py
 
 import ckpt
 import olmo3

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from faults import train_py
+from commands import train_py
 
 import ckpt
 import olmo3

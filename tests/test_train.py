@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from faults import train_py
+from commands import train_py
 from tolerance import FP32, chain, grad_terms, loss_terms, mean_terms, sum_tol
 
 import data

@@ -1,0 +1,52 @@
+"""The project's commands as the tests run them: `python train.py ...` (through tests/faults.py, which can
+inject a fault) and `python ckpt.py ...`, each in the test's own process where nothing needs a process of
+its own (no fault, waited for, no environment of its own). That spares a command Python's and JAX's start
+(imports, backend, for train.py the step's trace): about 5 of a warm tiny run's 9 seconds on 2 cores."""
+
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import ckpt
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def train_py(argv, fault="none:0", *, env=None, wait=True, script="faults.py", timeout=600):
+    """`python tests/<script> FAULT ARGV` (tests/faults.py: train.py with FAULT injected) in `env` (default:
+    this process's), from the repository's root: a CompletedProcess, or with wait=False the Popen. Without a
+    fault, script or environment of its own, and waited for: train.cli in this process, to the same effect."""
+    argv = [str(a) for a in argv]
+    if fault == "none:0" and wait and script == "faults.py" and env is None:
+        return in_process(train.cli, argv)
+    cmd = [sys.executable, str(ROOT / "tests" / script), fault, *argv]
+    if not wait:
+        pipe = subprocess.PIPE
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ckpt_py(*args) -> subprocess.CompletedProcess:
+    """`python ckpt.py ARGS`, in this process."""
+    return in_process(ckpt.main, [str(a) for a in args])
+
+
+def in_process(main, argv: list[str]) -> subprocess.CompletedProcess:
+    """main(argv) as its script's command line, from the repository's root: stdout and stderr captured, the
+    exit status returned or given to sys.exit (argparse's), an uncaught exception's traceback on stderr with
+    status 1, as Python prints and exits."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except Exception as e:
+            print(ckpt.format_traceback(e), file=sys.stderr, end="")
+            code = 1
+    return subprocess.CompletedProcess([main.__module__, *argv], code or 0, out.getvalue(), err.getvalue())
