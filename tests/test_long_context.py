@@ -4,8 +4,6 @@ run carried into stage 3, and the bad input it refuses."""
 
 import dataclasses
 import functools
-import subprocess
-import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -263,13 +261,7 @@ def test_cudnn_s_bound_on_documents_is_counted_in_the_data_and_refused_below_it(
     ],
 )
 def test_bad_stage3_flags_are_one_line(tmp_path, flags, message):
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--preset", "tiny", "--run_dir", str(tmp_path / "run"), *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = train_py(["--preset", "tiny", "--run_dir", tmp_path / "run", *flags])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr
     assert not (tmp_path / "run").exists()
