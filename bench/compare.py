@@ -44,15 +44,25 @@ def side(spec: str, attention: str = "reference"):
 
 def model_side(model: Olmo3, mesh):
     """A model in memory, its weights on `mesh`, as one side of a comparison (see side())."""
-    features = eqx.filter_jit(lambda m, t: m.features(t, shard.Layout(mesh)))
-    head = jax.jit(lambda x, w: jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32))
 
     def logits(tokens: np.ndarray, chunk: int):
-        x = features(model, jnp.asarray(tokens, jnp.int32))
+        x = features(model, jnp.asarray(tokens, jnp.int32), mesh)
         for start in range(0, len(tokens), chunk):
             yield np.asarray(head(x[start : start + chunk], model.lm_head))[:, : model.cfg.vocab_size]
 
     return model.cfg.vocab_size, logits
+
+
+# Jitted once for every side: a model of the same shapes and compute policy (another run's, another
+# checkpoint's) reads a sequence of the same length with the program already built.
+@eqx.filter_jit
+def features(model: Olmo3, tokens, mesh):
+    return model.features(tokens, shard.Layout(mesh))
+
+
+@jax.jit
+def head(x, w):
+    return jnp.matmul(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def load(path, compute: Compute, mesh) -> Olmo3:
@@ -115,11 +125,11 @@ def compare(ref, cand, files: list[str], length: int, n_tokens: int, chunk: int 
                 b[: length - 1 - start],
                 tokens[start + 1 : start + chunk + 1],
             )
-            la, lb = (x.astype(np.float64) - logsumexp(x.astype(np.float64)) for x in (a, b))
+            (la, pa), (lb, _) = log_softmax(a), log_softmax(b)
             ce_a, ce_b = (
                 -np.take_along_axis(x, targets[:, None].astype(np.int64), 1)[:, 0] for x in (la, lb)
             )
-            kl = (np.exp(la) * (la - lb)).sum(-1)
+            kl = (pa * (la - lb)).sum(-1)
             totals["ref_loss"] += ce_a.sum()
             totals["cand_loss"] += ce_b.sum()
             totals["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
@@ -143,9 +153,16 @@ def compare(ref, cand, files: list[str], length: int, n_tokens: int, chunk: int 
     )
 
 
-def logsumexp(x: np.ndarray) -> np.ndarray:
-    top = x.max(-1, keepdims=True)
-    return top + np.log(np.exp(x - top).sum(-1, keepdims=True))
+def log_softmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Log-probabilities and probabilities of logits `x` over the last axis, in float64 (a KL of 1e-10
+    between two near-equal predictions needs it): one exp of the whole array, in place."""
+    x = x.astype(np.float64)
+    x -= x.max(-1, keepdims=True)
+    p = np.exp(x)
+    total = p.sum(-1, keepdims=True)
+    x -= np.log(total)
+    p /= total
+    return x, p
 
 
 def positive(text: str) -> int:
