@@ -46,7 +46,7 @@ FLAGS = [
 
 
 def run(run_dir, data_root, *extra, fault="none:0", env=None, wait=True):
-    """train.py on the tiny data with FLAGS and `extra` (tests/faults.py's train_py)."""
+    """train.py on the tiny data with FLAGS and `extra` (tests/commands.py's train_py)."""
     argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
     return train_py(argv, fault, env=env, wait=wait)
 
