@@ -33,7 +33,7 @@ COMPARED = ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipp
 
 
 def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=True):
-    """train.py (tests/faults.py's train_py), or with no_dir_renames through tests/gcsfuse.py, which refuses
+    """train.py (tests/commands.py's train_py), or with no_dir_renames through tests/gcsfuse.py, which refuses
     directory renames under run_dir; wait=False: started, not waited for (a Popen)."""
     argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
     if no_dir_renames:
