@@ -108,13 +108,15 @@ def transformers_side(path: Path, bf16: bool):
 def compare(ref, cand, files: list[str], length: int, n_tokens: int, chunk: int = 256) -> dict:
     """Two sides' (see side()) next-token predictions over held-out sequences of `length` tokens, read in
     order: each side's mean loss, and between them top-1 agreement, how many distinct tokens the reference
-    predicts, KL(ref || cand) per position (mean, max) and the largest difference in one token's loss."""
+    predicts, KL(ref || cand) per position (mean, max) and the largest difference in one token's loss; and where
+    the two predict different tokens, by how much the reference prefers its own (`disagreement_gaps`, nats:
+    near-ties, see agreement_beyond)."""
     (vocab, ref_logits), (cand_vocab, cand_logits) = ref, cand
     if vocab != cand_vocab:
         raise ValueError(f"the two sides' vocabularies differ ({vocab}, {cand_vocab}): not the same model")
     loader = data.TokenLoader(files, length, 1, dtype=data.dtype_for_vocab(vocab), vocab_size=vocab)
     totals = dict(ref_loss=0.0, cand_loss=0.0, agree=0, kl=0.0, max_kl=0.0, max_loss_diff=0.0, n=0)
-    predicted = set()
+    predicted, gaps = set(), []
     for j in range(min(loader.num_instances, max(1, n_tokens // length))):
         tokens = loader.instance(j)
         for start, (a, b) in zip(
@@ -132,12 +134,15 @@ def compare(ref, cand, files: list[str], length: int, n_tokens: int, chunk: int 
             kl = (pa * (la - lb)).sum(-1)
             totals["ref_loss"] += ce_a.sum()
             totals["cand_loss"] += ce_b.sum()
-            totals["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
+            top_a, top_b = a.argmax(-1), b.argmax(-1)
+            totals["agree"] += int((top_a == top_b).sum())
+            rows = np.flatnonzero(top_a != top_b)
+            gaps += (la[rows, top_a[rows]] - la[rows, top_b[rows]]).tolist()
             totals["kl"] += kl.sum()
             totals["max_kl"] = max(totals["max_kl"], float(kl.max()))
             totals["max_loss_diff"] = max(totals["max_loss_diff"], float(np.abs(ce_a - ce_b).max()))
             totals["n"] += len(targets)
-            predicted |= set(a.argmax(-1).tolist())
+            predicted |= set(top_a.tolist())
     n = totals["n"]
     return dict(
         length=length,
@@ -146,11 +151,21 @@ def compare(ref, cand, files: list[str], length: int, n_tokens: int, chunk: int 
         ref_loss=totals["ref_loss"] / n,
         cand_loss=totals["cand_loss"] / n,
         top1=totals["agree"] / n,
+        disagreement_gaps=gaps,
         distinct_top1=len(predicted),
         mean_kl=totals["kl"] / n,
         max_kl=totals["max_kl"],
         max_token_loss_diff=totals["max_loss_diff"],
     )
+
+
+def agreement_beyond(c: dict, token_loss: float) -> float:
+    """Top-1 agreement of a compare() result, near-ties aside: where each token's log-probability may differ
+    between the two sides by `token_loss` nats (the bar for any one token's loss), two tokens the reference
+    ranks within 2 x token_loss of each other may swap places on the other side within that bar, so such a
+    disagreement is rounding, not a difference. Only those the reference decides by more count against."""
+    decided = sum(gap > 2 * token_loss for gap in c["disagreement_gaps"])
+    return 1 - decided / c["targets"]
 
 
 def log_softmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -81,11 +81,16 @@ def test_training_follows_olmo_core_step_by_step(tmp_path):
         result["held_out"], result["noise"], strict=True
     ):  # OLMo-core's trained model vs ours
         fp32, bf16 = e["fp32"], e["bf16"]
-        # At least as close as OLMo-core's own runs from weights one ulp away (near-ties in a model that has
-        # learned little tip either way), and never below 99%.
+        # At least as close as OLMo-core's own runs from weights one ulp away, and never below 99%. A model that
+        # has learned little has near-ties, which rounding tips either way (differently on each CPU and XLA
+        # code generator): a disagreement counts against the 99.9% only where OLMo-core prefers its token by
+        # more than twice the bar on any one token's loss (within that, both tokens may move by the bar).
         own = noise["olmo_core"]
-        assert fp32["top1"] >= max(0.99, min(0.999, *(r["top1"] for r in own)))
-        assert fp32["max_token_loss_diff"] <= max(1e-3, *(r["max_token_loss_diff"] for r in own))
+        token_loss = max(1e-3, *(r["max_token_loss_diff"] for r in own))
+        decided = sum(gap > 2 * token_loss for gap in fp32["disagreement_gaps"])
+        assert len(fp32["disagreement_gaps"]) == round((1 - fp32["top1"]) * fp32["targets"])
+        assert fp32["top1"] >= 0.99 and 1 - decided / fp32["targets"] >= min(0.999, *(r["top1"] for r in own))
+        assert fp32["max_token_loss_diff"] <= token_loss
         assert fp32["cand_loss"] == pytest.approx(fp32["ref_loss"], rel=1e-5)
         assert bf16["max_token_loss_diff"] > fp32["max_token_loss_diff"]  # bf16 compute really ran
     assert not result["failures"] and (tmp_path / "reference_loss.png").stat().st_size > 0
@@ -102,7 +107,9 @@ def test_training_follows_olmo_core_step_by_step(tmp_path):
     assert [len(rows) for who in ("olmo_core", "ours") for rows in result["noise_steps"][who]] == [6] * 2
     for check in result["same_weights"]:  # our weights, our model against transformers' Olmo3
         fp32, bf16 = check["fp32"], check["bf16"]
-        assert fp32["top1"] >= 0.999 and fp32["max_token_loss_diff"] <= 1e-4 and fp32["mean_kl"] < 1e-8
+        decided = sum(gap > 2e-4 for gap in fp32["disagreement_gaps"])  # near-ties aside, as above
+        assert 1 - decided / fp32["targets"] >= 0.999 and fp32["max_token_loss_diff"] <= 1e-4
+        assert fp32["mean_kl"] < 1e-8
         assert bf16["mean_kl"] > 1e2 * fp32["mean_kl"] and bf16["top1"] >= 0.97  # near-ties: see above
 
 
