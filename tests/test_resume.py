@@ -380,17 +380,20 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
     import train
 
     tokens = np.fromfile(tiny_data / "train" / "part-00000.npy", np.uint16)[: 64 * 400].copy()
-    tokens[64 * 300 + 5] = 9000  # past the first 4096 tokens (which the start-up check reads) and the vocab
     bad = tmp_path / "bad.npy"
     tokens.tofile(bad)
     loader = data.TokenLoader(
         [str(bad)], 64, 4, seed=train.TrainConfig.seed, dtype=np.uint16, vocab_size=8192
     )
-    step = next(i for i in range(loader.num_batches) if 300 in loader.batch_indices(i))
+    # A row of step 3's batch past the first 4096 tokens, which the start-up check reads: only the batch finds it.
+    step = 2
+    row = next(int(i) for i in loader.batch_indices(step) if i >= 4096 // 64)
+    tokens[64 * row + 5] = 9000  # past the vocabulary
+    tokens.tofile(bad)
     out = run(tmp_path / "run", tiny_data, "--data", str(bad), "--steps", str(step + 1))
     assert out.returncode == 1, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == (
-        f"error: {bad}: token {64 * 300 + 5} has id 9000, not below the vocabulary of 8192; `python data.py check "
+        f"error: {bad}: token {64 * row + 5} has id 9000, not below the vocabulary of 8192; `python data.py check "
         f"{bad} --vocab_size 8192` scans every token (another tokenizer? a file of another dtype?)"
     )
     assert len(rows(tmp_path / "run")) <= step  # it stopped at the batch, before training on it
