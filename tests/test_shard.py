@@ -492,7 +492,9 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     assert "another task died" in out and time.time() - t0 < 90
     # Steps 1-4 as the uninterrupted start took them (Orbax's save starts with a barrier of every process,
     # so process 0 had logged step 4 before the other was killed in it).
-    steps = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows if "loss" in r]
+    steps = lambda rows: [
+        (r["step"], r["loss"], r["grad_norm"], r["batch_hash"]) for r in rows if "loss" in r
+    ]
     first = steps(metrics(two))
     assert [s[0] for s in first] == [1, 2, 3, 4], first
     lead, other = finish(launch(two, 6, tiny_data, processes=2, flags=task))
