@@ -5,6 +5,7 @@ its own (no fault, waited for, no environment of its own). That spares a command
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,10 @@ def in_process(main, argv: list[str]) -> subprocess.CompletedProcess:
             print(ckpt.format_traceback(e), file=sys.stderr, end="")
             code = 1
     return subprocess.CompletedProcess([main.__module__, *argv], code or 0, out.getvalue(), err.getvalue())
+
+
+def with_cpu_devices(n: int, **env) -> dict[str, str]:
+    """This process's environment (and `env`) for a process with `n` CPU devices: the suite's XLA flags, then
+    the device count (of a repeated flag, XLA takes the last)."""
+    flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={n}"
+    return dict(os.environ, XLA_FLAGS=flags, **env)

@@ -8,7 +8,6 @@ a scaled-down stage 3 trained beside bf16 and fp32, resumed bit for bit, exporte
 import collections
 import dataclasses
 import json
-import os
 import re
 import signal
 import subprocess
@@ -22,7 +21,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from commands import train_py
+from commands import train_py, with_cpu_devices
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torchao.float8 import Float8LinearConfig
@@ -514,12 +513,11 @@ def test_a_scaled_down_stage3_trains_in_fp8_a_few_thousandths_from_the_bf16_run(
     coarser), and by less than 0.03 a step. Its table: the three policies, the bf16 run against itself."""
     args = ["--steps", "20", "--seq_len", "512", "--lr", "2e-3", "--held_out", "512", "--json", "out.json"]
     # One CPU device, as a laptop runs it (the suite's 8 only add the step's exchanges between them: the same
-    # numbers, 77 -> 66 s of CPU); the suite's compile flags kept, the last of a repeated flag the one XLA takes.
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1")
+    # numbers, 77 -> 66 s of CPU).
     out = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "fp8.py"), *args, "--data_root", str(tiny_data)],
         cwd=tmp_path,
-        env=env,
+        env=with_cpu_devices(1),
         capture_output=True,
         text=True,
         timeout=900,

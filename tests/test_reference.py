@@ -4,7 +4,6 @@ trainer follows OLMo-core's trainer step by step; and a difference on our side i
 import importlib.util
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.stats
+from commands import with_cpu_devices
 
 import data
 
@@ -35,8 +35,7 @@ def run_reference(out: Path, ours: list[str] = (), **sizes):
     """bench/reference.py at SMALL's sizes (overridden by `sizes`; "" for a switch) with `ours` overrides."""
     flags = [f"--{k}={v}" if v != "" else f"--{k}" for k, v in {**SMALL, **sizes}.items()]
     flags += [f"--ours={o}" for o in ours]
-    # One CPU device, as the benchmark runs (the suite's compile flags kept; the last of a repeated flag wins).
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=1")
+    env = with_cpu_devices(1)  # one CPU device, as the benchmark runs
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "reference.py"), f"--out={out}", *flags],
         cwd=ROOT,

@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import re
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import with_cpu_devices
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
@@ -414,9 +414,7 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
         "--data_root",
         str(tiny_data),
     ]
-    # The suite's flags, then this device count (the last of a repeated flag is the one XLA takes).
-    devices = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={8 // processes}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=devices, PYTHONFAULTHANDLER="1")
+    env = with_cpu_devices(8 // processes, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
     if processes > 1:
         args += [
             "--coordinator",
