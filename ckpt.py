@@ -8,6 +8,7 @@ stage's start (--init_from) through the readers here, each process its own shard
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
     python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
     python ckpt.py average RUN_A RUN_B OUT  # the mean of two runs' weights -> step 0 of OUT (weights only)
+    python ckpt.py restore-quarantined RUN_DIR [STEP]  # checkpoints set aside as corrupt, moved back
 
 A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
 that stopped the run), `lock` while a run writes to it, with --wandb `wandb_id` (the W&B run it continues)
@@ -15,15 +16,16 @@ and `wandb/` (wandb's own files), with --profile `profile/`, and `checkpoints/<s
 `model` (parameters), `train` (optimizer state with the skip-step window, RNG key) and `meta` (JSON: the
 config, the data fingerprint and a checksum per array). Orbax commits a step by writing its marker,
 `commit_success.txt`, last (COMMIT: no folder is renamed, which Cloud Storage and gcsfuse cannot do), but
-does not validate what it reads back, so the checksums are ours; a checkpoint that fails them is moved to
-`quarantined/`. Every command takes a gs:// run directory as it takes a local one.
+does not validate what it reads back, so the checksums are ours; a checkpoint whose bytes fail them (or cannot
+be parsed) is moved to `quarantined/`, never one the storage failed to serve. Every path a command takes (run
+directories, HF directories in and out) may be local or gs://, read and written through data.py's storage
+layer with its one retry policy (--storage_patience).
 """
 
 import argparse
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import io
 import json
 import logging
@@ -49,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 from tqdm import tqdm
 
 import data
@@ -58,8 +59,8 @@ import shard
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
-# The run directory: where it lives (a local folder or gs://BUCKET/PATH), one writer at a time (the lock),
-# log.txt, the run's files, preemption.
+# The run directory: where it lives (a local folder or gs://BUCKET/PATH, every file of it read and written
+# through data.py's storage layer), one writer at a time (the lock), log.txt, the run's files, preemption.
 
 
 class RunDirError(RuntimeError):
@@ -77,144 +78,12 @@ def _unwritable(run_dir, e: OSError) -> RunDirError:
     )
 
 
-GCS_EXTRA = "pip install -e '.[gcs]'"
 COMMIT_MARKER = "commit_success.txt"  # Orbax's: a step directory without it is an unfinished write
 
 
-def is_gcs(path) -> bool:
-    return str(path).startswith("gs://")
-
-
-def run_path(path):
-    """A run directory, or a path in one: pathlib's Path for a local folder, etils.epath's for
-    gs://BUCKET/PATH (Orbax's own path type, which reaches Cloud Storage through gcsfs). The two answer the
-    same calls (/, exists, is_dir, iterdir, glob, read_text, write_text, open), so the code that writes a run
-    directory is one code; the few things an object store does otherwise (no append, no rename, a lock by
-    precondition) are the helpers below."""
-    if not is_gcs(path):
-        return Path(path)
-    if importlib.util.find_spec("gcsfs") is None:
-        raise RunDirError(f"{path}: a gs:// run directory needs gcsfs and google-cloud-storage: {GCS_EXTRA}")
-    import fsspec
-
-    # gcsfs caches listings for the life of a process, but other processes and hosts write here too (Orbax's
-    # steps, the lock): every listing must ask the bucket. Set before the first gs:// filesystem is made.
-    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
-    return epath.Path(str(path))
-
-
-@functools.cache
-def _storage_client():
-    """google-cloud-storage's client, for what a path cannot ask: preconditions, compose, copies, sizes."""
-    from google.auth.exceptions import DefaultCredentialsError
-    from google.cloud import storage
-
-    try:
-        return storage.Client()
-    except DefaultCredentialsError as e:
-        raise RunDirError(
-            f"a gs:// run directory needs Google credentials ({e}); expected a VM's service account or "
-            "`gcloud auth application-default login`"
-        ) from None
-
-
-def _blob(path):
-    """The Cloud Storage object at gs://BUCKET/NAME."""
-    bucket, _, name = str(path).removeprefix("gs://").partition("/")
-    return _storage_client().bucket(bucket).blob(name)
-
-
-def _objects(folder) -> list:
-    """Every object under gs://BUCKET/FOLDER/, with its size."""
-    prefix = _blob(folder)
-    return list(_storage_client().list_blobs(prefix.bucket, prefix=prefix.name.rstrip("/") + "/"))
-
-
-def write_whole(path, text: str) -> None:
-    """Replace a small file whole: readers see the old one or the new one, never a torn write (a local file
-    is written beside it and renamed; a Cloud Storage object is only ever seen whole)."""
-    if is_gcs(path):
-        run_path(path).write_text(text)
-    else:
-        data.write_atomic(path, text)
-
-
-def append_text(path, text: str) -> None:
-    """Add `text` to the end of a file. A Cloud Storage object cannot be appended to: the text is uploaded as
-    an object of its own, then composed onto the end of the file's object (GCS's own append: the server
-    concatenates, so nothing already written is sent again, and the file is seen before or after, whole)."""
-    if not is_gcs(path):
-        with open(path, "a") as f:
-            f.write(text)
-        return
-    from google.api_core.exceptions import GoogleAPICallError
-
-    whole, part = _blob(path), _blob(f"{path}.part-{os.urandom(6).hex()}")
-    try:  # (the client retries what is transient itself)
-        if not whole.exists():
-            whole.upload_from_string(text)
-            return
-        part.upload_from_string(text)
-        whole.compose([whole, part])
-        part.delete()
-    except GoogleAPICallError as e:
-        raise OSError(f"{path}: appending failed ({e.code} {e.message})") from e
-
-
-def remove_tree(path) -> None:
-    """Remove a folder and everything in it, if it is there."""
-    if is_gcs(path):
-        for blob in _objects(path):
-            blob.delete()
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def move_tree(source, target) -> None:
-    """Move a checkpoint's folder. A local one is renamed (or, where renames fail, as on a gcsfuse mount,
-    copied and removed: shutil.move). Cloud Storage renames nothing: every object is copied on the server,
-    then the commit marker is removed first, so that from then on the source is no checkpoint, then the
-    rest. A kill midway leaves the copy, or the source whole, or an unfinished write that the next writer
-    removes."""
-    if not is_gcs(source):
-        shutil.move(str(source), str(target))
-        return
-    blobs, name, to = _objects(source), _blob(source).name.rstrip("/"), _blob(target).name.rstrip("/")
-    for blob in blobs:
-        blob.bucket.copy_blob(blob, blob.bucket, to + blob.name.removeprefix(name))
-    for blob in sorted(blobs, key=lambda b: not b.name.endswith("/" + COMMIT_MARKER)):
-        blob.delete()
-
-
-def size_of(folder) -> int:
-    """Bytes in the files under a folder."""
-    if is_gcs(folder):
-        return sum(blob.size for blob in _objects(folder))
-    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
-
-
-def upload_tree(local: str, target) -> None:
-    """Copy every file under the local folder `local` to the folder `target` (a run directory's, local or
-    gs://), keeping their relative paths."""
-    for parent, _, names in os.walk(local):
-        for name in names:
-            file = Path(parent) / name
-            dest = run_path(target) / str(file.relative_to(local))
-            if not is_gcs(target):
-                dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(file.read_bytes())
-
-
-@contextlib.contextmanager
-def local_copy(path):
-    """A local path to read the file `path` at: itself, or a temporary copy of a gs:// object."""
-    if not is_gcs(path):
-        yield str(path)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = os.path.join(tmp, run_path(path).name)
-        Path(copy).write_bytes(run_path(path).read_bytes())
-        yield copy
+def _absolute(path) -> str:
+    """A run directory's path as every process and Orbax take it: a URL as is, a local folder absolute."""
+    return str(path).rstrip("/") if data.is_url(path) else os.path.abspath(path)
 
 
 class Profile:
@@ -222,26 +91,33 @@ class Profile:
     first to the arrival of the last one's numbers, into RUN_DIR/profile/plugins/profile/<time>/, where
     TensorBoard's profile plugin and XProf look: <host>.xplane.pb (trace viewer, op profile, memory) and
     perfetto_trace.json.gz (ui.perfetto.dev opens it). Every process traces its own devices. The profiler
-    writes local files, so a gs:// run directory's trace is written to a local folder, then uploaded. An empty
-    `spec` traces nothing."""
+    writes local files, so a gs:// run directory's trace is written to a local folder, then uploaded. A run
+    that resumes past START traces the steps it takes of them, or says it traces none. An empty `spec` traces
+    nothing."""
 
     def __init__(self, spec: str, run_dir: str):
         start, steps = map(int, spec.split(":")) if spec else (0, 0)
         self.first, self.last, self.run_dir, self.folder = start, start + steps - 1, run_dir, None
+        self.spec, self.dispatched = spec, False
 
     def dispatching(self, step: int) -> None:
-        if step == self.first:
-            local = tempfile.mkdtemp(prefix="olmo3-profile-") if is_gcs(self.run_dir) else None
-            self.folder = local or f"{self.run_dir}/profile"
+        if self.spec and not self.dispatched and step > self.first:  # the run resumed past START
+            self.first = step
+            if step > self.last and jax.process_index() == 0:
+                print(f"--profile {self.spec}: this run starts at step {step}, past them: nothing is traced")
+        self.dispatched = True
+        if step == self.first and step <= self.last:
+            local = tempfile.mkdtemp(prefix="olmo3-profile-") if data.is_url(self.run_dir) else None
+            self.folder = local or data.join(self.run_dir, "profile")
             jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
 
     def finished(self, step: int) -> None:
         if step != self.last or self.folder is None:
             return
         jax.profiler.stop_trace()
-        target = f"{self.run_dir}/profile"
-        if is_gcs(self.run_dir):
-            upload_tree(self.folder, target)
+        target = data.join(self.run_dir, "profile")
+        if data.is_url(self.run_dir):
+            data.copy_tree(self.folder, target)
             shutil.rmtree(self.folder)
         self.folder = None
         if jax.process_index() == 0:
@@ -266,14 +142,18 @@ class RunLock:
     comes back on other hosts, the holder renews its lock every LOCK_RENEW_S seconds, and a lock not renewed
     for LOCK_LEASE_S is stale. A stale lock is replaced only at the generation it was read at, so of two
     processes taking it over, one wins; a holder that finds its lock taken over (it was cut off for longer
-    than the lease) stops at once rather than write beside the new one.
+    than the lease) stops at once rather than write beside the new one. Every request rides out the
+    storage's weather (data.patiently): an outage shorter than the lease delays a renewal, and one longer
+    than the lease loses the lock only if another process took it meanwhile.
 
     With several processes, process 0 takes the lock for the job and the others check that it is theirs. A
-    directory no one can write to (a read-only mount or bucket) needs no lock: reading it is safe, and
-    whatever would write there is refused then, in one line."""
+    directory no one can write to (a read-only mount, or a bucket this account may only read: 403) needs no
+    lock: reading it is safe, and whatever would write there is refused then, in one line."""
 
     def __init__(self, run_dir):
-        self.path, self.held, self.generation = run_path(run_dir) / "lock", None, None
+        self.run_dir = _absolute(run_dir)
+        self.path, self.remote = data.join(self.run_dir, "lock"), data.is_url(self.run_dir)
+        self.held = self.generation = None
         self.renewing, self.renewer = threading.Event(), None
 
     def __enter__(self):
@@ -290,16 +170,16 @@ class RunLock:
                 self._take(job)
             except RunDirError as e:  # every process stops, not only process 0
                 error = e
-        if many and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
-            raise error or RunDirError(
-                f"{self.path.parent}: process 0 could not take the run directory's lock"
-            )
-        if error:
-            raise error
-        if many and (self._read()[0] or {}).get("job") != job:
+        # 0: process 0 could not take it; 1: it holds the lock; 2: none is needed (nothing may be written)
+        outcome = 0 if error else 1 if self.held else 2
+        if many:
+            outcome = int(multihost_utils.broadcast_one_to_all(np.int32(outcome)))
+        if outcome == 0:
+            raise error or RunDirError(f"{self.run_dir}: process 0 could not take the run directory's lock")
+        if many and outcome == 1 and (self._read()[0] or {}).get("job") != job:
             raise RunDirBusy(
-                f"{self.path} does not hold this job's lock: is {self.path.parent} on storage "
-                "that every host shares?"
+                f"{self.path} does not hold this job's lock: is {self.run_dir} on storage that every host "
+                "shares?"
             )
         return self
 
@@ -307,40 +187,22 @@ class RunLock:
         if self.renewer is not None:  # stopped, and its renewal in flight finished: the generation is final
             self.renewing.set()
             self.renewer.join()
-        if self.held and not is_gcs(self.path) and self._read()[0] == self.held:
-            self.path.unlink()
-        elif self.held and is_gcs(self.path):
-            self._release()
+        if self.held and self._read()[0] == self.held:  # still ours: not taken over
+            data.remove(self.path, self.generation if self.remote else None)
         self.held = None
-
-    def _release(self) -> None:
-        """Remove a gs:// lock that is still this process's, at the generation it last wrote; one taken over
-        is the new holder's. (Read first as well: a local GCS emulator ignores a delete's precondition.)"""
-        from google.api_core.exceptions import NotFound, PreconditionFailed
-
-        if self._read()[1] == self.generation:
-            with contextlib.suppress(NotFound, PreconditionFailed):  # replaced since it was read: not ours
-                _blob(self.path).delete(if_generation_match=self.generation)
 
     def _read(self) -> tuple[dict | None, int | None]:
         """The lock's holder (None: no lock, or one cut short) and, on gs://, the generation it was read at."""
-        if not is_gcs(self.path):
-            try:
-                return json.loads(self.path.read_text()), None
-            except (FileNotFoundError, json.JSONDecodeError):
-                return None, None
-        from google.api_core.exceptions import NotFound, PreconditionFailed
-
-        blob = _blob(self.path)
+        if self.remote:
+            text, generation = data.read_versioned(self.path)
+        else:
+            text, generation = (
+                (Path(self.path).read_bytes(), None) if os.path.isfile(self.path) else (None, None)
+            )
         try:
-            blob.reload()
-            text = blob.download_as_text(if_generation_match=blob.generation)
-        except (NotFound, PreconditionFailed):  # gone, or replaced while read: as if absent, look again
-            return None, None
-        try:
-            return json.loads(text), blob.generation
+            return (json.loads(text) if text else None), generation
         except json.JSONDecodeError:
-            return None, blob.generation
+            return None, generation
 
     def _take(self, job: str) -> None:
         if not self._writable():  # no process can write here, so none needs the lock
@@ -355,108 +217,99 @@ class RunLock:
         }
         seen = 0  # the lock there is to replace: 0, none; else a stale one, as read (its generation on gs://)
         for _ in range(3):
-            if self._put(me, seen):
+            try:
+                taken = self._put(me, seen)
+            except data.StorageRefused:  # a bucket this account may only read: as a read-only mount
+                return
+            if taken:
                 self.held = me
-                if is_gcs(self.path):
+                if self.remote:
                     self.renewer = threading.Thread(target=self._renew_until_released, daemon=True)
                     self.renewer.start()
                 return
             holder, generation = self._read()
             if holder and not self._stale(holder, me):
                 raise RunDirBusy(self._busy(holder, me))
-            seen = generation if is_gcs(self.path) else "stale"  # (gone since: generation None, look again)
-        raise RunDirBusy(f"{self.path.parent}: could not take {self.path}; another process keeps taking it")
+            seen = generation if self.remote else "stale"  # (gone since: generation None, look again)
+        raise RunDirBusy(f"{self.run_dir}: could not take {self.path}; another process keeps taking it")
 
     def _writable(self) -> bool:
         """Whether the run directory can be written (made here, where it is a new local one)."""
-        run_dir = self.path.parent
-        if is_gcs(run_dir):  # a bucket without write permission is found where the lock is created
+        if self.remote:  # a bucket this account may only read is found where the lock is created
             return True
-        if run_dir.exists() and not run_dir.is_dir():
+        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
             raise RunDirError(
-                f"--run_dir {run_dir} is a file; expected a directory (or a path to create one at)"
+                f"--run_dir {self.run_dir} is a file; expected a directory (or a path to create one at)"
             )
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            os.makedirs(self.run_dir, exist_ok=True)
         except OSError as e:
-            raise RunDirError(f"--run_dir {run_dir}: cannot create it ({e.strerror or e})") from None
-        return os.access(run_dir, os.W_OK)
+            raise RunDirError(f"--run_dir {self.run_dir}: cannot create it ({e.strerror or e})") from None
+        return os.access(self.run_dir, os.W_OK)
 
     def _put(self, me: dict, seen) -> bool:
         """Write the lock naming `me` where there is none (`seen` 0) or the stale one `seen` is still there;
         False if another is there: of two processes, one wins. Locally the stale lock is set aside by a rename
         (one process does it) and the lock created only if absent (O_EXCL). On gs:// the object is written only
         at the generation seen (0: none), a single request that replaces a stale lock with no moment between."""
-        if not is_gcs(self.path):
-            if seen:
-                with contextlib.suppress(FileNotFoundError):
-                    os.replace(self.path, self.path.with_name(f"lock.stale-{os.getpid()}"))
-                    os.remove(self.path.with_name(f"lock.stale-{os.getpid()}"))
+        text = json.dumps(me)
+        if self.remote:
             try:
-                with open(self.path, "x") as f:
-                    json.dump(me, f)
-                return True
-            except FileExistsError:
-                return False
-        from google.api_core.exceptions import Forbidden, NotFound, PreconditionFailed
-
-        blob = _blob(self.path)
-        try:
-            blob.upload_from_string(json.dumps(me), if_generation_match=seen or 0)
-        except PreconditionFailed:
-            return False
-        except (NotFound, Forbidden) as e:
-            raise RunDirError(
-                f"--run_dir {self.path.parent}: cannot create {self.path} ({e.code} {e.message}); expected an "
-                "existing bucket this account may write to"
-            ) from None
-        self.generation = blob.generation
-        return True
+                generation = data.replace(self.path, text, seen) if seen else data.create(self.path, text)
+            except data.StorageRefused:
+                raise
+            except data.StorageError as e:  # no such bucket, say
+                raise RunDirError(f"--run_dir {self.run_dir}: cannot create {self.path} ({e})") from None
+            self.generation = generation
+            return generation is not None
+        if seen:
+            stale = f"{self.path}.stale-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.path, stale)
+                os.remove(stale)
+        return data.create(self.path, text) is not None
 
     def _stale(self, holder: dict, me: dict) -> bool:
         """Whether the holder is gone: its process, on this host; on gs://, a lease not renewed in time."""
         if holder["host"] == me["host"]:
             return _start_time(holder["pid"]) != holder["started"]
-        return is_gcs(self.path) and time.time() - holder.get("renewed", 0) > LOCK_LEASE_S
+        return self.remote and time.time() - holder.get("renewed", 0) > LOCK_LEASE_S
 
     def _busy(self, holder: dict, me: dict) -> str:
         where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
         lease = ""
-        if is_gcs(self.path) and holder["host"] != me["host"]:
+        if self.remote and holder["host"] != me["host"]:
             ago = time.time() - holder.get("renewed", 0)
             lease = f", renewed {ago:.0f} s ago: taken over once not renewed for {LOCK_LEASE_S} s"
         return (
-            f"{self.path.parent} is in use by process {holder['pid']}{where} (since {holder['since']}{lease}); "
+            f"{self.run_dir} is in use by process {holder['pid']}{where} (since {holder['since']}{lease}); "
             f"wait for it, use another --run_dir, or, if that process is gone, remove {self.path}"
         )
 
     def renew(self) -> None:
         """Renew a gs:// lock's lease, at the generation it was last written at; RunDirBusy if another process
         has taken it over since."""
-        from google.api_core.exceptions import NotFound, PreconditionFailed
-
         self.held = dict(self.held, renewed=time.time())
-        blob = _blob(self.path)
-        try:
-            blob.upload_from_string(json.dumps(self.held), if_generation_match=self.generation)
-        except (NotFound, PreconditionFailed):
+        generation = data.replace(self.path, json.dumps(self.held), self.generation)
+        if generation is None:
             raise RunDirBusy(
                 f"{self.path} was taken over by another process (this one did not renew it for "
                 f"{LOCK_LEASE_S} s): stopping rather than write beside it"
-            ) from None
-        self.generation = blob.generation
+            )
+        self.generation = generation
 
     def _renew_until_released(self) -> None:
-        """The lease, renewed in the background until __exit__. A renewal that fails (the network) is said and
-        tried again; a lock taken over ends the process at once (exit 1): two writers would corrupt the run."""
+        """The lease, renewed in the background until __exit__. A renewal that fails (the storage out for
+        longer than the patience) is said and tried again; a lock taken over ends the process at once (exit 1):
+        two writers would corrupt the run."""
         while not self.renewing.wait(LOCK_RENEW_S):
             try:
                 self.renew()
             except RunDirBusy as e:
                 print(f"error: {e}", file=sys.stderr, flush=True)
                 os._exit(1)
-            except Exception as e:  # a network error: the next renewal may succeed
-                print(f"warning: could not renew {self.path} ({_cause(e)}); trying again", file=sys.stderr)
+            except (data.StorageUnavailable, data.StorageError) as e:  # the next renewal may succeed
+                print(f"warning: could not renew {self.path} ({e}); trying again", file=sys.stderr)
 
 
 def _start_time(pid: int) -> str | None:
@@ -480,10 +333,10 @@ def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: 
     if jax.process_index() != 0:
         return
     try:
-        write_whole(run_path(run_dir) / "config.json", json.dumps(config, indent=2))
+        data.write_file(data.join(run_dir, "config.json"), json.dumps(config, indent=2))
         tiny = data.tiny_tokenizer_file(tokenizer_path)
         if tokenizer == "tiny" and os.path.exists(tiny):
-            write_whole(run_path(run_dir) / "tokenizer.json", Path(tiny).read_text())
+            data.write_file(data.join(run_dir, "tokenizer.json"), Path(tiny).read_text())
     except OSError as e:
         raise _unwritable(run_dir, e) from e
 
@@ -496,9 +349,9 @@ def log_error(run_dir, what: str, e: BaseException) -> None:
         return
     story = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{format_traceback(e)}\n"
     try:
-        append_text(run_path(run_dir) / "log.txt", story)
+        data.append(data.join(run_dir, "log.txt"), story)
     except Exception as failed:  # said, never raised over the error being reported
-        print(f"also: could not write {run_path(run_dir) / 'log.txt'}: {failed}", file=sys.stderr)
+        print(f"also: could not write {data.join(run_dir, 'log.txt')}: {failed}", file=sys.stderr)
 
 
 # One traceback formatted at a time, whichever thread: CPython 3.11 places a frame's ^^^ markers with
@@ -518,12 +371,13 @@ def format_traceback(e: BaseException) -> str:
 def errors_logged(run_dir, unless: tuple = ()):
     """Log (log_error) every error that stops the run inside, and let it go on: where RUN_DIR holds a run
     (its config.json; nothing is created to hold a log, and a first run refused before it starts leaves the
-    directory as it found it), and not for `unless` (bad usage) nor a RunDirError (a directory this process
-    may not write to)."""
+    directory as it found it), and not for `unless` (bad usage), a RunDirError (a directory this process
+    may not write to) nor an outage of the storage (the log is there too: the line said is the story)."""
     try:
         yield
     except Exception as e:
-        if not isinstance(e, (RunDirError, *unless)) and (run_path(run_dir) / "config.json").is_file():
+        quiet = (RunDirError, data.StorageUnavailable, *unless)
+        if not isinstance(e, quiet) and data.exists(data.join(run_dir, "config.json")):
             log_error(run_dir, "the run stopped", e)
         raise
 
@@ -632,7 +486,7 @@ class MetricsLog:
     writes.
 
     A local file has each row as it comes. A Cloud Storage object cannot be appended to, so on gs:// rows are
-    held and stored a batch at a time by append_text (uploaded, then composed onto the end of the object on the
+    held and stored a batch at a time by data.append (uploaded, then composed onto the end of the object on the
     server: no row is sent twice, and readers see the file whole): every METRICS_FLUSH_S seconds at most (GCS
     takes about one write a second to an object), before each checkpoint (flush, which train.py's save calls)
     and at close. A kill -9 so loses only rows past the newest checkpoint, which the resume takes again, and
@@ -640,7 +494,8 @@ class MetricsLog:
     one does."""
 
     def __init__(self, run_dir, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
-        self.path, self.lead = run_path(run_dir) / "metrics.jsonl", lead
+        self.run_dir, self.lead = _absolute(run_dir), lead
+        self.path = data.join(self.run_dir, "metrics.jsonl")
         self.tensorboard, self.wandb = tensorboard, wandb
         self.file = self.tb = self.wb = None
         self.opened, self.pending, self.flushed = False, [], time.monotonic()
@@ -651,11 +506,11 @@ class MetricsLog:
         the new one is complete. A torn last line goes too."""
         if not self.lead:
             return
-        for part in self.path.parent.glob(f"{self.path.name}.part-*") if is_gcs(self.path) else ():
-            part.unlink()  # an upload a kill left before it was composed: rows past the checkpoint
-        if not self.path.exists():
+        for part in data.objects(f"{self.path}.part-") if data.is_url(self.path) else ():
+            data.remove(part)  # an upload a kill left before it was composed: rows past the checkpoint
+        if not data.exists(self.path):
             return
-        rows, text = [], self.path.read_text()
+        rows, text = [], data.read_text(self.path)
         for line in text.splitlines():
             try:
                 row = json.loads(line)
@@ -666,9 +521,9 @@ class MetricsLog:
         if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
             return
         try:
-            write_whole(self.path, "".join(rows))
+            data.write_file(self.path, "".join(rows))
         except OSError as e:
-            raise _unwritable(self.path.parent, e) from e
+            raise _unwritable(self.run_dir, e) from e
 
     def open(self) -> None:
         """Open what the rows go to: at the first row, or before (a run about to train opens it before its
@@ -678,13 +533,13 @@ class MetricsLog:
         if self.wandb:  # first: it sends the rows already written that W&B lacks
             self.open_wandb()
         try:
-            self.file = None if is_gcs(self.path) else open(self.path, "a")  # noqa: SIM115 - closed by close()
+            self.file = None if data.is_url(self.path) else open(self.path, "a")  # noqa: SIM115 - close()
         except OSError as e:
-            raise _unwritable(self.path.parent, e) from e
+            raise _unwritable(self.run_dir, e) from e
         if self.tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.path.parent / "tb"))
+            self.tb = SummaryWriter(data.join(self.run_dir, "tb"))
         self.opened = True
 
     def write(self, row: dict) -> None:
@@ -708,26 +563,26 @@ class MetricsLog:
         throughput); rows it lost are sent from metrics.jsonl."""
         import wandb
 
-        id_file, cfg = self.path.parent / "wandb_id", self.wandb
-        run_id = id_file.read_text().strip() if id_file.exists() else None  # None: W&B makes one
+        id_file, cfg = data.join(self.run_dir, "wandb_id"), self.wandb
+        run_id = data.read_text(id_file).strip() if data.exists(id_file) else None  # None: W&B makes one
         # wandb writes its own files with local file calls: for a gs:// run they stay on this host, in a
         # temporary folder named after the run (the W&B run itself lives on W&B's server).
-        own = self.path.parent
-        if is_gcs(own):
-            own = Path(tempfile.gettempdir()) / "olmo3-jax-wandb" / str(own).removeprefix("gs://")
+        own = Path(self.run_dir)
+        if data.is_url(self.run_dir):
+            own = Path(tempfile.gettempdir()) / "olmo3-jax-wandb" / self.run_dir.partition("://")[2]
             own.mkdir(parents=True, exist_ok=True)
         self.wb = wandb.init(
             project=cfg.project, name=cfg.name, id=run_id, resume="allow", dir=own, config=cfg.config
         )
         run_id = self.wb.id
-        write_whole(id_file, run_id)
+        data.write_file(id_file, run_id)
         if self.wb.offline:
             logs = own.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")
             held = (r.history.step.num for log in logs for r in wandb_records(log) if r.HasField("history"))
             self.wb_held = max(held, default=-1)
         else:
             self.wb_held = self.wb.step - 1
-        for line in self.path.read_text().splitlines() if self.path.exists() else ():
+        for line in data.read_text(self.path).splitlines() if data.exists(self.path) else ():
             self.send(json.loads(line))
 
     def send(self, row: dict) -> None:
@@ -745,7 +600,7 @@ class MetricsLog:
                 self.file.write(text)
                 self.file.flush()
             else:
-                append_text(self.path, text)
+                data.append(self.path, text)
         except OSError as e:  # a full disk, a bucket that refuses: the run stops in one line
             raise RunDirError(f"{self.path}: could not store the metrics rows ({e.strerror or e})") from e
         self.flushed = time.monotonic()
@@ -807,13 +662,23 @@ def _pyplot():
 
 
 def _metric_rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in data.read_text(data.join(run_dir, "metrics.jsonl")).splitlines()]
+
+
+def _save_figure(fig, path: str, dpi: int) -> None:
+    """A figure as a PNG file, local or in a bucket (savefig writes to bytes; the storage layer stores them)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi)
+    data.write_file(path, png.getvalue())
+
+
+def _name(run_dir) -> str:
+    return str(run_dir).rstrip("/").rsplit("/", 1)[-1]
 
 
 def plot_losses(run_dir) -> list[str]:
     """RUN_DIR/loss.png: the train loss and each held-out set's CE loss over the steps. Returns the curves'
     labels."""
-    run_dir = run_path(run_dir)
     plt, rows = _pyplot(), _metric_rows(run_dir)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     held = dict.fromkeys(k for r in rows for k in r if k.startswith("eval/lm/") and k.endswith("/CE loss"))
@@ -823,12 +688,11 @@ def plot_losses(run_dir) -> list[str]:
     for key in held:  # each held-out set's curve, labelled as OLMo-core labels it
         label = key.removeprefix("eval/lm/").removesuffix("/CE loss")
         ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", label=f"held-out {label}", ms=3)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=f"{run_dir.name}")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=_name(run_dir))
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    with (run_dir / "loss.png").open("wb") as f:  # a file object: savefig takes no gs:// path
-        fig.savefig(f, format="png", dpi=120)
+    _save_figure(fig, data.join(run_dir, "loss.png"), dpi=120)
     plt.close(fig)
     return [line.get_label() for line in ax.get_lines()]
 
@@ -836,7 +700,6 @@ def plot_losses(run_dir) -> list[str]:
 def plot_downstream(run_dir) -> list[str]:
     """RUN_DIR/downstream.png, where the run evaluated downstream tasks: a panel per task, its own metric
     (ICLMetric's first, as train.py prints it) over the steps. Returns the panels' titles."""
-    run_dir = run_path(run_dir)
     plt, rows = _pyplot(), _metric_rows(run_dir)
     firsts = {}  # task -> its first metric's key, in the row's order
     for key in (
@@ -855,10 +718,9 @@ def plot_downstream(run_dir) -> list[str]:
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(firsts) :]:
         ax.axis("off")
-    fig.suptitle(f"{run_dir.name}: downstream tasks over the steps", fontsize=9)
+    fig.suptitle(f"{_name(run_dir)}: downstream tasks over the steps", fontsize=9)
     fig.tight_layout()
-    with (run_dir / "downstream.png").open("wb") as f:
-        fig.savefig(f, format="png", dpi=110)
+    _save_figure(fig, data.join(run_dir, "downstream.png"), dpi=110)
     plt.close(fig)
     return [ax.get_title() for ax in axes.flat[: len(firsts)]]
 
@@ -947,7 +809,7 @@ class _AppendHandler(logging.Handler):
         try:
             with _FORMATTING:  # its exception's traceback too (format_traceback)
                 text = self.format(record)
-            append_text(self.path, text + "\n")
+            data.append(self.path, text + "\n")
         except Exception:  # logging's own way: said on stderr, never raised into Orbax
             self.handleError(record)
 
@@ -973,7 +835,7 @@ def _late_callback(default, log, unraisable) -> None:
     closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
     if closed_loop or from_orbax:
         if log:
-            append_text(log, format_traceback(unraisable.exc_value))
+            data.append(log, format_traceback(unraisable.exc_value))
     else:
         default(unraisable)
 
@@ -984,6 +846,32 @@ def _late_callback(default, log, unraisable) -> None:
 # object by object, which a kill leaves half done. A local disk loses nothing by it. A step counts only with
 # its marker (all_steps), and a writer starting removes the steps without one.
 COMMIT = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+
+
+def _tensorstore_patience() -> None:
+    """Orbax's arrays go through TensorStore, whose retries Orbax sets nowhere we can reach but in its default
+    context: give them the storage layer's patience (data.tensorstore_retries), for each store it opens."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    retries = data.tensorstore_retries()
+    for context in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        context.update({f"{driver}_request_retries": retries for driver in ("gcs", "s3")})
+
+
+def _unreadable(step_dir: str, what: str, e: Exception) -> Exception:
+    """Why a committed checkpoint's `what` did not read back. Damage (CorruptCheckpoint, which sets it aside)
+    only where its bytes were read and are wrong or cannot be parsed; the storage's weather or a refusal stops
+    the run naming it, and moves nothing: an outage never makes a sound checkpoint look corrupt, nor rolls a
+    run back to an older one."""
+    if answer := data.transient_answer(e):
+        return data.StorageUnavailable(
+            f"{step_dir}: its {what} got no answer but transient ones within --storage_patience "
+            f"{data.PATIENCE_S:g} s (the last: {answer}); stopped with the checkpoint where it is: run again once "
+            "the storage answers"
+        )
+    if why := data.refusal(e):
+        return data.StorageRefused(f"{step_dir}: reading its {what} was refused ({why})")
+    return CorruptCheckpoint(f"{what} unreadable: {_cause(e)}")
 
 
 class Checkpoints:
@@ -1001,28 +889,29 @@ class Checkpoints:
             raise ValueError(
                 f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write"
             )
-        self.saving, root = None, run_path(run_dir)
+        self.saving, self.run_dir = None, _absolute(run_dir)
         self.before_save = lambda: None  # train.py's: MetricsLog.flush, the metrics rows held back
-        self.dir = (root if is_gcs(run_dir) else root.absolute()) / "checkpoints"
-        self.quarantine = self.dir.parent / "quarantined"
-        if read_only and not self.dir.is_dir():
+        self.dir = data.join(self.run_dir, "checkpoints")
+        self.quarantine = data.join(self.run_dir, "quarantined")
+        if read_only and not data.is_dir(self.dir):
             raise FileNotFoundError(f"{self.dir} does not exist: is {run_dir} a run directory?")
         # Fail at the start, not at the first save an hour later; but a finished run on a read-only mount is
         # read without a write (the first save, if the run gets that far, is refused).
-        self.cannot_write = None if read_only else self._why_unwritable()
-        if self.cannot_write and not self.dir.is_dir():
-            raise RunDirError(
-                f"run directory {self.dir.parent}: cannot create {self.dir} ({self.cannot_write})"
-            )
+        self.cannot_write = None if read_only else data.unwritable(self.dir)
+        if self.cannot_write and not data.is_dir(self.dir):
+            raise RunDirError(f"run directory {self.run_dir}: cannot create {self.dir} ({self.cannot_write})")
         self.read_only = read_only or self.cannot_write is not None
         if not self.read_only and jax.process_index() == 0:
             # An interrupted save (no commit marker) is never read; remove it now, before this run saves.
             # (Orbax's own cleanup_tmp_directories does this in a thread it waits for only at the next save,
             # so a run that stops before saving, or a look right after the start, would still find it.)
             for name in unfinished_writes(self.dir):
-                remove_tree(self.dir / name)
-        _orbax_detail_to(None if self.read_only or jax.process_index() else self.dir.parent / "log.txt")
+                data.remove_tree(data.join(self.dir, name))
+        _orbax_detail_to(
+            None if self.read_only or jax.process_index() else data.join(self.run_dir, "log.txt")
+        )
         _barriers_through_the_coordinator()
+        _tensorstore_patience()
         self.options = (
             ocp.CheckpointManagerOptions(read_only=True, atomicity_options=COMMIT)
             if self.read_only
@@ -1035,25 +924,15 @@ class Checkpoints:
         )
         self._open()
 
-    def _why_unwritable(self) -> str | None:
-        """Why nothing can be written in the checkpoint directory, or None if it can."""
-        try:
-            if not is_gcs(self.dir):  # (a bucket has no folders to make)
-                self.dir.mkdir(parents=True, exist_ok=True)
-            probe = self.dir / f".write-test-{jax.process_index()}-{os.getpid()}"  # hosts share the dir
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as e:
-            return e.strerror or str(e)
-        return None
-
     def _open(self):
         handlers = {
             "model": ocp.StandardCheckpointHandler(),
             "train": ocp.StandardCheckpointHandler(),
             "meta": ocp.JsonCheckpointHandler(),
         }
-        self.manager = ocp.CheckpointManager(self.dir, item_handlers=handlers, options=self.options)
+        self.manager = ocp.CheckpointManager(
+            data.for_orbax(self.dir), item_handlers=handlers, options=self.options
+        )
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -1108,12 +987,18 @@ class Checkpoints:
         """A save failed: remove its temporary folder (the committed checkpoints stay as they were), and
         raise one line naming it."""
         step, self.saving = self.saving, None
+        where = data.join(self.dir, str(step))
+        if answer := data.transient_answer(
+            e
+        ):  # the storage is out: its log too, and the next start cleans up
+            raise data.StorageUnavailable(
+                f"saving checkpoint {step} to {where}: no answer but transient ones within --storage_patience "
+                f"{data.PATIENCE_S:g} s (the last: {answer}); stopped, the checkpoints before it as they were"
+            ) from e
         self._log(f"saving checkpoint {step} failed", e)
         if jax.process_index() == 0:
             self._remove_unfinished(step)
-        raise CheckpointError(
-            f"saving checkpoint {step} to {self.dir / str(step)} failed: {_cause(e)}"
-        ) from e
+        raise CheckpointError(f"saving checkpoint {step} to {where} failed: {_cause(e)}") from e
 
     def _remove_unfinished(self, step: int, quiet_s: float = 1.0, give_up_s: float = 30.0) -> None:
         """Remove a failed save's folder (it has no commit marker). Orbax reports the first item that fails (say
@@ -1121,10 +1006,11 @@ class Checkpoints:
         makes the folders it needs again: so remove until the folder has stayed gone for `quiet_s`."""
         start = gone_since = time.monotonic()
         while time.monotonic() - gone_since < quiet_s:
-            folder = self.dir / str(step)
-            left = [folder] if folder.exists() and not (folder / COMMIT_MARKER).exists() else []
+            folder = data.join(self.dir, str(step))
+            unfinished = data.is_dir(folder) and not data.exists(data.join(folder, COMMIT_MARKER))
+            left = [folder] if unfinished else []
             for tmp in left:
-                remove_tree(tmp)  # a writer may add files while it goes; look again
+                data.remove_tree(tmp)  # a writer may add files while it goes; look again
             if left:
                 gone_since = time.monotonic()
             if left and time.monotonic() - start > give_up_s:
@@ -1137,23 +1023,31 @@ class Checkpoints:
         on another error, which goes on; a failed save is then reported as a line, not raised over it."""
         try:
             self.wait()
-        except CheckpointError as e:
+        except (CheckpointError, data.StorageUnavailable) as e:
             if not failing:
                 raise
             print(f"also: {e}", file=sys.stderr)
         finally:
             self.manager.close()
+            self._drop_if_empty()
+
+    def _drop_if_empty(self) -> None:
+        """A run that stopped before its first save leaves no empty checkpoints/ (which would look like a run
+        directory to --init_from and `list`); a bucket has no empty folders."""
+        local = not self.read_only and not data.is_url(self.dir) and jax.process_index() == 0
+        if local and os.path.isdir(self.dir) and not os.listdir(self.dir):
+            os.rmdir(self.dir)
 
     def _log(self, what: str, e: BaseException) -> None:
         """The full story of a failure, which the one-line message summarises, in RUN_DIR/log.txt."""
         if not self.read_only:
-            log_error(self.dir.parent, what, e)
+            log_error(self.run_dir, what, e)
 
     def read_meta(self, step: int) -> dict:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         except Exception as e:
-            raise CorruptCheckpoint(f"meta unreadable: {_cause(e)}") from e
+            raise _unreadable(data.join(self.dir, str(step)), "meta", e) from e
 
     def read(self, step: int, model_like=None, train_like=None):
         """Step `step` as (model, train, meta), checksums verified.
@@ -1182,7 +1076,7 @@ class Checkpoints:
                 and (diff := _shape_differences(saved, abstract[k]))
             ):
                 raise ResumeRefused(
-                    f"{self.dir / str(step)} holds a {k} of other shapes: {diff} (saved vs now); it is sound "
+                    f"{data.join(self.dir, str(step))} holds a {k} of other shapes: {diff} (saved vs now); it is sound "
                     "and stays where it is: resume with the recipe that wrote it, or use another --run_dir"
                 )
         try:
@@ -1190,7 +1084,7 @@ class Checkpoints:
                 step, args=ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in abstract.items()})
             )
         except Exception as e:
-            raise CorruptCheckpoint(f"arrays unreadable: {_cause(e)}") from e
+            raise _unreadable(data.join(self.dir, str(step)), "arrays", e) from e
         for k in stored:
             found, saved = _checksum_table(got[k]), meta["checksums"][k]
             if found != saved:
@@ -1210,7 +1104,7 @@ class Checkpoints:
     def read_model(self, step: int, place=None) -> Olmo3:
         """Step `step`'s model, shaped by the config it was saved with (for a command that knows no preset), its
         arrays placed as `place(abstract model)` says (default: on_first_device)."""
-        cfg = config_from_hf(self.read_meta(step)["model"], f"{self.dir / str(step)} meta")
+        cfg = config_from_hf(self.read_meta(step)["model"], f"{data.join(self.dir, str(step))} meta")
         return self.read(step, (place or on_first_device)(olmo3.abstract(cfg)))[0]
 
     def newest_valid(self, read):
@@ -1233,7 +1127,9 @@ class Checkpoints:
             try:
                 return step, read(step)
             except CorruptCheckpoint as e:
-                raise CorruptCheckpoint(f"checkpoint {self.dir / str(step)} (step {step}): {e}") from e
+                raise CorruptCheckpoint(
+                    f"checkpoint {data.join(self.dir, str(step))} (step {step}): {e}"
+                ) from e
         found = self.newest_valid(read)
         if found is None:
             raise FileNotFoundError(f"no valid checkpoint in {self.dir}")
@@ -1251,12 +1147,13 @@ class Checkpoints:
             return self.read(step, model_like, train_like)
 
         found = self.newest_valid(read)
-        quarantined = sorted(p.name for p in self.quarantine.iterdir()) if self.quarantine.is_dir() else []
+        quarantined = quarantined_steps(self.run_dir)
         if found is None and quarantined and not start_over:
             raise NoValidCheckpoint(
-                f"no checkpoint of {self.dir.parent} reads back intact: {', '.join(quarantined)} in "
-                f"{self.quarantine} (details in {self.dir.parent / 'log.txt'}); if the storage was at fault, "
-                f"move them back into {self.dir} and run again, or pass --start_over to train from step 0"
+                f"no checkpoint of {self.run_dir} reads back intact: {', '.join(quarantined)} in "
+                f"{self.quarantine} (details in {data.join(self.run_dir, 'log.txt')}); if the storage was at "
+                f"fault, `python ckpt.py restore-quarantined {self.run_dir}` moves them back, or pass "
+                "--start_over to train from step 0"
             )
         return None if found is None else (found[0], *found[1])
 
@@ -1266,17 +1163,15 @@ class Checkpoints:
         if self.read_only:
             print(f"checkpoint {step} is corrupt ({error}); trying the one before it", file=sys.stderr)
             return
-        target = self.quarantine / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        target = data.join(self.quarantine, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
         print(
-            f"checkpoint {self.dir / str(step)} is corrupt ({error}); moved to {target} (details in "
-            f"{self.dir.parent / 'log.txt'}), falling back to the one before it",
+            f"checkpoint {data.join(self.dir, str(step))} is corrupt ({error}); moved to {target} (details in "
+            f"{data.join(self.run_dir, 'log.txt')}), falling back to the one before it",
             file=sys.stderr,
         )
         self._log(f"checkpoint {step} is corrupt", error)
         if jax.process_index() == 0:  # every process found the same fault (the checksums are global)
-            if not is_gcs(self.quarantine):
-                self.quarantine.mkdir(exist_ok=True)
-            move_tree(self.dir / str(step), target)
+            data.move_tree(data.join(self.dir, str(step)), target, COMMIT_MARKER)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -1285,15 +1180,17 @@ class Checkpoints:
 
 
 def format_of(path) -> str:
-    """What directory `path` holds: "run" (one of ours: checkpoints/), "olmo-core" (an OLMo-core step
-    directory: model_and_optim/) or "hf" (a Hugging Face model: config.json); else one line saying what was
-    expected."""
-    path = run_path(path)
+    """What directory `path` (local or gs://) holds: "run" (one of ours: checkpoints/), "olmo-core" (an
+    OLMo-core step directory: model_and_optim/) or "hf" (a Hugging Face model: config.json); else one line
+    saying what was expected."""
+    path = str(path)
     for kind, inside in (("run", "checkpoints"), ("olmo-core", "model_and_optim"), ("hf", "config.json")):
-        if (path / inside).exists():
+        if data.is_dir(data.join(path, inside)) or data.exists(data.join(path, inside)):
             return kind
     found = (
-        "does not exist" if not path.exists() else "holds none of checkpoints/, model_and_optim/, config.json"
+        "does not exist"
+        if not data.is_dir(path)
+        else "holds none of checkpoints/, model_and_optim/, config.json"
     )
     raise FileNotFoundError(
         f"{path} {found}: expected one of our run directories (checkpoints/), an OLMo-core step directory "
@@ -1303,13 +1200,19 @@ def format_of(path) -> str:
 
 def has_checkpoints(run_dir) -> bool:
     """Whether `run_dir` holds a committed checkpoint; reads only."""
-    if not (run_path(run_dir) / "checkpoints").is_dir():
+    if not data.is_dir(data.join(run_dir, "checkpoints")):
         return False
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
         return bool(ckpts.steps())
     finally:
         ckpts.close()
+
+
+def quarantined_steps(run_dir) -> list[str]:
+    """The checkpoints a run has set aside as corrupt: RUN_DIR/quarantined/<step>-<time>, oldest first."""
+    folder = data.join(run_dir, "quarantined")
+    return sorted({name.split("/")[0] for name in data.listing(folder)}) if data.is_dir(folder) else []
 
 
 def check_run_start(run_dir, step: int | None, cfg: Olmo3Config, as_run, weights_only: bool) -> None:
@@ -1569,10 +1472,10 @@ def config_from_hf(hf: dict, path: str = "config.json") -> Olmo3Config:
     )
 
 
-def _read_json(file: Path) -> dict:
-    """A JSON object from `file`, or one line naming the file and what is wrong with it."""
+def _read_json(file: str) -> dict:
+    """A JSON object from `file` (local or in a bucket), or one line naming the file and what is wrong with it."""
     try:
-        value = json.loads(Path(file).read_text())
+        value = json.loads(data.read_text(file))
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: not valid JSON ({e}); cut short, or not the file it should be?") from None
     if not isinstance(value, dict):
@@ -1581,47 +1484,96 @@ def _read_json(file: Path) -> dict:
 
 
 def read_hf_config(path) -> Olmo3Config:
-    """Our config from the config.json of the Hugging Face directory `path`, refused in one line naming the
-    file where it is missing, not JSON, or not an OLMo 3 model's."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
+    """Our config from the config.json of the Hugging Face directory `path` (local or gs://), refused in one line
+    naming the file where it is missing, not JSON, or not an OLMo 3 model's."""
+    file = data.join(path, "config.json")
+    if not data.exists(file):
         raise FileNotFoundError(f"{file} not found: is {path} a Hugging Face model directory?")
-    return config_from_hf(_read_json(file), str(file))
+    return config_from_hf(_read_json(file), file)
 
 
-def _open_safetensors(file: Path):
-    """A safetensors file opened for reading (its header checked against its size), or one line naming it."""
-    from safetensors import SafetensorError, safe_open
+# safetensors' dtype names, as numpy reads them.
+SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": jnp.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
-    try:
-        return safe_open(file, framework="numpy")
-    except SafetensorError as e:
-        raise ValueError(
-            f"{file}: not a readable safetensors file ({e}); cut short by an interrupted download or copy? "
-            "Fetch it again"
-        ) from e
+
+class Safetensors:
+    """A safetensors file (local or in a bucket) read by byte range: 8 bytes giving the header's length, the
+    JSON header (each tensor's dtype, shape and [begin, end) in the data after it), then the data. Only the
+    header is read on opening, and of a tensor only the rows asked for: each host reads its own shards."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if (size := data.file_size(path)) is None:
+            raise FileNotFoundError(f"{path} not found")
+        try:
+            (length,) = struct.unpack("<Q", next(data.read_ranges([(path, 0, 8)])))
+            header = json.loads(next(data.read_ranges([(path, 8, 8 + length)])))
+            self.tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            self.start = 8 + length
+            for name, t in self.tensors.items():
+                begin, end = t["data_offsets"]
+                want = math.prod(t["shape"]) * np.dtype(SAFETENSORS_DTYPES[t["dtype"]]).itemsize
+                if not (end - begin == want and begin >= 0 and self.start + end <= size):
+                    raise ValueError(
+                        f"tensor {name}'s bytes {begin}..{end} do not fit the file's {size} bytes"
+                    )
+        except (
+            struct.error,
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            KeyError,
+            ValueError,
+            data.DataError,
+        ) as e:
+            raise ValueError(
+                f"{path}: not a readable safetensors file ({e}); cut short by an interrupted download or copy? "
+                "Fetch it again"
+            ) from e
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name]["shape"])
+
+    def read(self, name: str, region: tuple[slice, ...]) -> np.ndarray:
+        """The part `region` (a slice per axis) of tensor `name`: the bytes of its rows, sliced within them."""
+        t, shape = self.tensors[name], self.shape(name)
+        dtype = np.dtype(SAFETENSORS_DTYPES[t["dtype"]])
+        first, stop, _ = region[0].indices(shape[0])
+        row = math.prod(shape[1:]) * dtype.itemsize
+        at = self.start + t["data_offsets"][0] + first * row
+        raw = next(data.read_ranges([(self.path, at, at + max(stop - first, 0) * row)]))
+        return np.frombuffer(raw, dtype).reshape(max(stop - first, 0), *shape[1:])[(slice(None), *region[1:])]
 
 
-def _hf_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it; every file is opened, so a damaged one is named
-    before anything loads."""
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = {name: path / f for name, f in _read_json(index).get("weight_map", {}).items()}
-        for f in set(files.values()):
-            _open_safetensors(f)
-        return files
-    single = path / "model.safetensors"
-    if not single.exists():
+def _hf_files(path: str) -> dict[str, Safetensors]:
+    """HF tensor name -> the safetensors file that holds it; every file is opened (its header read), so a
+    damaged one is named before anything loads."""
+    index = data.join(path, "model.safetensors.index.json")
+    if data.exists(index):
+        names = _read_json(index).get("weight_map", {})
+        opened = {f: Safetensors(data.join(path, f)) for f in set(names.values())}
+        return {name: opened[f] for name, f in names.items()}
+    single = data.join(path, "model.safetensors")
+    if not data.exists(single):
         raise FileNotFoundError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
-    with _open_safetensors(single) as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 - a safetensors file, not a dict
+    file = Safetensors(single)
+    return dict.fromkeys(file.tensors, file)
 
 
 def check_hf(hf_dir, cfg: Olmo3Config, as_run=lambda hf: hf) -> None:
     """An HF directory must hold model `cfg` once the run has made it its own (`as_run`: e.g. YaRN added to a
     stage-2 model for stage 3), every file whole: refused in one line before anything is read."""
-    hf_dir = Path(hf_dir)
+    hf_dir = str(hf_dir)
     saved = read_hf_config(hf_dir)
     files = _hf_files(hf_dir)
     if diff := model_differences(as_run(saved), cfg):
@@ -1629,7 +1581,7 @@ def check_hf(hf_dir, cfg: Olmo3Config, as_run=lambda hf: hf) -> None:
     _check_hf_tensors(hf_dir, saved, files)
 
 
-def _check_hf_tensors(path: Path, cfg: Olmo3Config, files: dict[str, Path]) -> None:
+def _check_hf_tensors(path: str, cfg: Olmo3Config, files: dict[str, Safetensors]) -> None:
     """The files hold every tensor of model `cfg` in its shape, and no other: read from their headers only."""
     expected = {name: (leaf, layer, n_in) for leaf, layer, name, n_in in hf_names(cfg)}
     if missing := sorted(expected.keys() - files.keys()):
@@ -1641,12 +1593,14 @@ def _check_hf_tensors(path: Path, cfg: Olmo3Config, files: dict[str, Path]) -> N
         raise ValueError(
             f"{path}: unexpected tensors {extra[:5]} ({len(extra)} in all): not part of Olmo3ForCausalLM"
         )
-    tree, handles = olmo3.abstract(cfg), {f: _open_safetensors(f) for f in set(files.values())}
+    tree = olmo3.abstract(cfg)
     for name, (leaf, layer, n_in) in expected.items():
         shape = leaf_at(tree, leaf).shape[0 if layer is None else 1 :]
         want = _hf_shape(shape, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None)
-        if (got := tuple(handles[files[name]].get_slice(name).get_shape())) != want:
-            raise ValueError(f"{files[name]}: tensor {name} has shape {list(got)}, expected {list(want)}")
+        if (got := files[name].shape(name)) != want:
+            raise ValueError(
+                f"{files[name].path}: tensor {name} has shape {list(got)}, expected {list(want)}"
+            )
 
 
 def with_config(model: Olmo3, cfg: Olmo3Config) -> Olmo3:
@@ -1671,20 +1625,20 @@ class Tally:
 
 
 def load_hf(path, *, shardings=None, compute: Compute = Compute(), tally: Tally | None = None) -> Olmo3:
-    """An HF Olmo3ForCausalLM directory as our model, computing as `compute` says, streamed tensor by
-    tensor (no torch). Host memory holds the model plus one stacked leaf; with `shardings` (a pytree like
-    the model, from shard.py) each process reads only its devices' parts of each tensor (assemble)."""
-    path = Path(path)
+    """An HF Olmo3ForCausalLM directory (local or gs://) as our model, computing as `compute` says, streamed
+    tensor by tensor (no torch). Host memory holds the model plus one stacked leaf; with `shardings` (a pytree
+    like the model, from shard.py) each process reads only its devices' parts of each tensor (assemble)."""
+    path = str(path)
     cfg = read_hf_config(path)
     files = _hf_files(path)
     _check_hf_tensors(path, cfg, files)
-    handles = {f: _open_safetensors(f) for f in set(files.values())}
 
     def read(name, want, region):
-        t = handles[files[name]].get_slice(name)  # safetensors reads the bytes of `region` only
-        if tuple(t.get_shape()) != want:
-            raise ValueError(f"{files[name]}: tensor {name} has shape {t.get_shape()}, expected {list(want)}")
-        return t[region]
+        if files[name].shape(name) != want:
+            raise ValueError(
+                f"{files[name].path}: tensor {name} has shape {files[name].shape(name)}, expected {list(want)}"
+            )
+        return files[name].read(name, region)
 
     return assemble(olmo3.abstract(cfg, compute), hf_names(cfg), read, cfg.vocab_size, shardings, tally)
 
@@ -1764,63 +1718,54 @@ def _leaf_part(read, name: str, shape, n_in: int, vocab: int | None, index) -> n
     return out.reshape(sizes).transpose(np.argsort(order))
 
 
-def _fresh_dir(out: Path) -> Path:
-    """A temporary sibling of `out` to write into; renamed to `out` only once complete."""
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not empty; choose a new output directory")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _write_shards(folder: Path, tensors, shard_bytes: int) -> list[list[str]]:
-    """(name, array) pairs written in order as folder/shard-1.safetensors, ..., each of about `shard_bytes`;
-    returns each shard's tensor names. Host memory holds one shard."""
-    from safetensors.numpy import save_file
-
-    shards, current, size = [], {}, 0
-    for name, t in tensors:
-        if size and size + t.nbytes > shard_bytes:
-            shards.append(sorted(current))
-            save_file(current, folder / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
-            current, size = {}, 0
-        current[name], size = t, size + t.nbytes
-    shards.append(sorted(current))
-    save_file(current, folder / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
+def _hf_shards(cfg: Olmo3Config, itemsize: int, shard_bytes: int) -> list[list[tuple]]:
+    """hf_names' entries in files of about `shard_bytes`, planned from the shapes alone, so that each file has
+    its final name (model-00001-of-00003.safetensors) as it is written."""
+    shards, size = [[]], 0
+    tree = olmo3.abstract(cfg)
+    for leaf, layer, name, n_in in hf_names(cfg):
+        shape = leaf_at(tree, leaf).shape[0 if layer is None else 1 :]
+        nbytes = (
+            math.prod(_hf_shape(shape, n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None)) * itemsize
+        )
+        if size and size + nbytes > shard_bytes:
+            shards, size = [*shards, []], 0
+        shards[-1].append((leaf, layer, name, n_in))
+        size += nbytes
     return shards
 
 
-def _write_hf(model: Olmo3, tmp: Path, dtype: str, shard_bytes: int, extra: dict[str, str]) -> None:
-    """save_hf's files, written into `tmp`."""
+def _hf_file_bodies(model: Olmo3, dtype: str, shard_bytes: int, extra: dict[str, str]):
+    """(file name, bytes) of each file of an HF directory of `model`, config.json last (a directory cut short
+    has none, so nothing loads it). Host memory holds one shard."""
+    from safetensors.numpy import save
+
     cfg = model.cfg
     np_dtype = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16}[dtype]
-
-    def tensors():
-        for leaf, layer, name, n_in in hf_names(cfg):
+    shards = _hf_shards(cfg, np.dtype(np_dtype).itemsize, shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    weight_map, total = {}, 0
+    for file, entries in zip(names, shards):
+        tensors = {}
+        for leaf, layer, name, n_in in entries:
             w = leaf_at(model, leaf) if layer is None else leaf_at(model, leaf)[layer]
-            t = ours_to_hf(
-                np.asarray(jax.device_get(w)), n_in, cfg.vocab_size if leaf in VOCAB_LEAVES else None
+            vocab = cfg.vocab_size if leaf in VOCAB_LEAVES else None
+            tensors[name] = np.ascontiguousarray(
+                ours_to_hf(np.asarray(jax.device_get(w)), n_in, vocab).astype(np_dtype)
             )
-            yield name, np.ascontiguousarray(t.astype(np_dtype))
-
-    shards = _write_shards(tmp, tensors(), shard_bytes)
-    if len(shards) == 1:
-        (tmp / "shard-1.safetensors").rename(tmp / "model.safetensors")
-    else:
-        weight_map, total = {}, 0
-        for i, names in enumerate(shards, 1):
-            final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            (tmp / f"shard-{i}.safetensors").rename(tmp / final)
-            weight_map.update({n: final for n in names})
-            total += (tmp / final).stat().st_size
+            weight_map[name], total = file, total + tensors[name].nbytes
+        yield file, save(tensors, metadata={"format": "pt"})
+    if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg, dtype), indent=2))
+        yield "model.safetensors.index.json", json.dumps(index, indent=2)
     generation = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    for name, text in extra.items():
-        (tmp / name).write_text(text)
+    yield "generation_config.json", json.dumps(generation, indent=2)
+    yield from extra.items()
+    yield "config.json", json.dumps(config_to_hf(cfg, dtype), indent=2)
 
 
 def save_hf(
@@ -1830,23 +1775,30 @@ def save_hf(
     dtype: str = "float32",
     shard_bytes: int = 5 * 10**9,
     extra: dict[str, str] | None = None,
-) -> Path:
-    """Write a directory transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back to
-    cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
-    `extra` files (name -> text: the tokenizer's). Written beside `path` and renamed once complete: a failed
-    write (a full disk) leaves nothing, and says so in one line."""
+) -> str:
+    """Write a directory (local or gs://) transformers' Olmo3ForCausalLM.from_pretrained loads: vocab cut back
+    to cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
+    `extra` files (name -> text: the tokenizer's). A local one is written beside `path` and renamed once
+    complete; in a bucket, config.json comes last. A failed write (a full disk) leaves nothing, and says so in
+    one line."""
     from safetensors import SafetensorError
 
-    out = Path(path)
-    tmp = _fresh_dir(out)
+    out = str(path).rstrip("/")
+    data.check_writable_place(out, "writing")
+    if data.is_dir(out) and data.listing(out):
+        raise FileExistsError(f"{out} exists and is not empty; choose a new output directory")
+    folder = out if data.is_url(out) else f"{out}.tmp"
+    data.remove_tree(folder)
     try:
-        _write_hf(model, tmp, dtype, shard_bytes, extra or {})
+        for name, body in _hf_file_bodies(model, dtype, shard_bytes, extra or {}):
+            data.write_file(data.join(folder, name), body)
     except (OSError, SafetensorError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        data.remove_tree(folder)
         raise OSError(f"writing {out} failed ({e}); nothing is left there") from e
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
+    if not data.is_url(out):
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(folder, out)
     return out
 
 
@@ -1854,14 +1806,16 @@ def export_hf(
     run_dir, out, step: int | None = None, dtype: str = "float32", tokenizer: str | None = None
 ) -> int:
     """Write the newest valid checkpoint of a run (or `step`) as an HF directory with its tokenizer (the
-    run's, or `tokenizer`: dolma2, tiny, none or a tokenizer.json); returns its step. Reads the run only."""
+    run's, or `tokenizer`: dolma2, tiny, none or a tokenizer.json); returns its step. Reads the run only. An
+    output nothing here can write (s3://, http://) is refused before the run is read."""
+    data.check_writable_place(str(out), "OUT")
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
         step, model = ckpts.chosen(ckpts.read_model, step)
         meta = ckpts.read_meta(step)
     finally:
         ckpts.close()
-    save_hf(model, out, dtype=dtype, extra=_tokenizer_files(run_path(run_dir), meta, model.cfg, tokenizer))
+    save_hf(model, out, dtype=dtype, extra=_tokenizer_files(run_dir, meta, model.cfg, tokenizer))
     return step
 
 
@@ -1873,9 +1827,8 @@ def _tokenizer_files(run_dir, meta: dict, cfg: Olmo3Config, name: str | None) ->
     )
     if name == "none":
         return {}
-    if name == "tiny" and (run_dir / "tokenizer.json").exists():
-        with local_copy(run_dir / "tokenizer.json") as file:
-            return data.hf_tokenizer_files("tiny", file)
+    if name == "tiny" and data.exists(kept := data.join(run_dir, "tokenizer.json")):
+        return data.hf_tokenizer_files("tiny", kept)
     if name.endswith(".json"):
         return data.hf_tokenizer_files("tiny", name)
     if name == "tiny" and not os.path.exists(default := data.tiny_tokenizer_file(None)):
@@ -1911,7 +1864,7 @@ def write_first_step(run_dir, model: Olmo3, train_state: dict | None, *sources) 
                 raise FileExistsError(
                     f"{ckpts.dir} already holds checkpoints {ckpts.steps()}; choose a new run directory"
                 )
-            source = " + ".join(str(s) if is_gcs(s) else str(Path(s).absolute()) for s in sources)
+            source = " + ".join(_absolute(s) for s in sources)
             meta = {"model": config_to_hf(model.cfg), "source": source}
             ckpts.save(0, model, train_state, meta=meta)
         finally:
@@ -2008,19 +1961,19 @@ class DcpTensor:
     chunks: list[tuple[tuple[int, ...], tuple[int, ...], Path, int, int]]
 
 
-def read_dcp_metadata(ckpt_dir: Path) -> dict[str, DcpTensor]:
-    """Every tensor of CHECKPOINT_DIR/model_and_optim by name (non-tensor values, such as the param groups'
-    settings, left out), each chunk's file checked to hold its bytes; or one line naming the file."""
-    folder = ckpt_dir / "model_and_optim"
-    file = folder / ".metadata"
-    if not file.is_file():
+def read_dcp_metadata(ckpt_dir: str) -> dict[str, DcpTensor]:
+    """Every tensor of CHECKPOINT_DIR/model_and_optim (local, gs:// or http(s)://) by name (non-tensor values,
+    such as the param groups' settings, left out), each chunk's file checked to hold its bytes; or one line
+    naming the file."""
+    folder = data.join(ckpt_dir, "model_and_optim")
+    file = data.join(folder, ".metadata")
+    if not data.exists(file):
         raise FileNotFoundError(
             f"{file} not found: is {ckpt_dir} an OLMo-core step directory (model_and_optim/.metadata and "
             "__*_*.distcp)? An interrupted download or copy leaves it out; fetch it again"
         )
     try:
-        with open(file, "rb") as f:
-            meta = TorchUnpickler(f).load()
+        meta = TorchUnpickler(io.BytesIO(data.read_bytes(file))).load()
         where = {  # a chunk's place by (name, offsets); non-tensor values have no offsets
             (i.fqn, tuple(i.offset.args[0])): s for i, s in meta.storage_data.items() if hasattr(i, "offset")
         }
@@ -2042,21 +1995,21 @@ def read_dcp_metadata(ckpt_dir: Path) -> dict[str, DcpTensor]:
     return tensors
 
 
-def _chunk(folder: Path, fqn: str, chunk, storage) -> tuple:
+def _chunk(folder: str, fqn: str, chunk, storage) -> tuple:
     if getattr(storage, "transform_descriptors", None):
         raise ValueError(
-            f"{folder / storage.relative_path}: {fqn} is stored with {storage.transform_descriptors} "
+            f"{data.join(folder, storage.relative_path)}: {fqn} is stored with {storage.transform_descriptors} "
             "(compressed?); expected plain torch.save blobs, as OLMo-core writes them"
         )
     offsets, sizes = tuple(chunk.offsets.args[0]), tuple(chunk.sizes.args[0])
-    return offsets, sizes, folder / storage.relative_path, storage.offset, storage.length
+    return offsets, sizes, data.join(folder, storage.relative_path), storage.offset, storage.length
 
 
 def _check_chunk_files(fqn: str, t: DcpTensor) -> None:
     for _, _, file, start, length in t.chunks:
-        if not file.is_file():
+        if (size := data.file_size(file)) is None:
             raise FileNotFoundError(f"{file} not found; the checkpoint's .metadata places {fqn} there")
-        if (size := file.stat().st_size) < start + length:
+        if size < start + length:
             raise ValueError(
                 f"{file}: {size} bytes, but {fqn} lies at bytes {start}-{start + length}: cut short by an "
                 "interrupted download or copy? Fetch it again"
@@ -2073,9 +2026,8 @@ def read_dcp_tensor(fqn: str, t: DcpTensor, region: tuple[slice, ...] | None = N
         hi = [min(o + n, r.stop) for o, n, r in zip(offsets, sizes, region)]
         if any(a >= b for a, b in zip(lo, hi)):
             continue
-        with open(file, "rb") as f:
-            f.seek(start)
-            chunk = torch_saved_tensor(f.read(length), f"{file}: bytes {start}-{start + length} ({fqn})")
+        blob = next(data.read_ranges([(file, start, start + length)]))
+        chunk = torch_saved_tensor(blob, f"{file}: bytes {start}-{start + length} ({fqn})")
         if chunk.shape != sizes:
             raise ValueError(f"{file}: the chunk of {fqn} at {list(offsets)} has shape {list(chunk.shape)}")
         into = tuple(slice(a - r.start, b - r.start) for a, b, r in zip(lo, hi, region))
@@ -2099,7 +2051,7 @@ def torch_saved_tensor(blob: bytes, where: str) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(storage[offset:], size, [s * item for s in stride]).copy()
 
 
-def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, file: Path, weights_only: bool):
+def check_olmo_core_model(tensors: dict, cfg: Olmo3Config, file: str, weights_only: bool):
     """The checkpoint must hold the run's model `cfg`, and Adam's state for each parameter unless
     `weights_only`: refused before anything is read, naming what differs."""
     model = olmo3.abstract(cfg)
@@ -2151,11 +2103,11 @@ def _olmo_core_shape(found: dict, cfg: Olmo3Config) -> str:
     return "".join(said)
 
 
-def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config) -> None:
+def check_olmo_core_config(ckpt_dir: str, cfg: Olmo3Config) -> None:
     """What the tensors' shapes cannot tell (heads of the same width, RoPE, the window, the norms' eps) from
     the config.json OLMo-core's trainer writes beside them, where there is one: refused naming the fields."""
-    file = ckpt_dir / "config.json"
-    if not file.is_file():
+    file = data.join(ckpt_dir, "config.json")
+    if not data.exists(file):
         return
     model = _read_json(file).get("model") or {}
     block = model.get("block") or {}
@@ -2179,7 +2131,7 @@ def check_olmo_core_config(ckpt_dir: Path, cfg: Olmo3Config) -> None:
         raise ValueError(f"{file} describes another model than the run's: {'; '.join(diff)}")
 
 
-def adam_count(tensors: dict, cfg: Olmo3Config, file: Path) -> float:
+def adam_count(tensors: dict, cfg: Olmo3Config, file: str) -> float:
     """Adam's step count: OLMo-core keeps one per parameter (skipped steps do not advance it), train.py one
     for all, so they must agree; refused naming the parameters that differ."""
     keys = {fqn: f"optim.state.{fqn}.step" for _, _, fqn, _ in olmo_core_names(cfg)}
@@ -2198,7 +2150,7 @@ def load_olmo_core(ckpt_dir, cfg: Olmo3Config, weights_only: bool = False, shard
     """An OLMo-core step directory as (our model, (first moments, second moments, Adam's count) or None
     with `weights_only`), checked against `cfg` first (check_olmo_core) and read a tensor at a time; with
     `shardings` each process reads only the chunks its devices' parts lie in (assemble)."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = str(ckpt_dir)
     tensors = read_dcp_metadata(ckpt_dir)
     names = list(olmo_core_names(cfg))
 
@@ -2212,18 +2164,19 @@ def load_olmo_core(ckpt_dir, cfg: Olmo3Config, weights_only: bool = False, shard
     if weights_only:
         return model, None
     moments = [tree(f"optim.state.{{}}.{m}", eqx.filter(olmo3.abstract(cfg), is_array)) for m in ADAM_MOMENTS]
-    return model, (*moments, adam_count(tensors, cfg, ckpt_dir / "model_and_optim" / ".metadata"))
+    return model, (*moments, adam_count(tensors, cfg, data.join(ckpt_dir, "model_and_optim", ".metadata")))
 
 
 def check_olmo_core(ckpt_dir, cfg: Olmo3Config, weights_only: bool) -> None:
     """An OLMo-core step directory must hold model `cfg`, and Adam's state unless `weights_only`: refused
     in one line naming what differs, a damaged file or a foreign pickle, before anything is read."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = str(ckpt_dir)
     tensors = read_dcp_metadata(ckpt_dir)
-    check_olmo_core_model(tensors, cfg, ckpt_dir / "model_and_optim" / ".metadata", weights_only)
+    metadata = data.join(ckpt_dir, "model_and_optim", ".metadata")
+    check_olmo_core_model(tensors, cfg, metadata, weights_only)
     check_olmo_core_config(ckpt_dir, cfg)
     if not weights_only:
-        adam_count(tensors, cfg, ckpt_dir / "model_and_optim" / ".metadata")
+        adam_count(tensors, cfg, metadata)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2262,8 +2215,8 @@ def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]
     it, and train.py continues from it with Adam from zero (as AI2's stage 3 loads the average without optimizer
     state). Both models are held in host memory (fp32: 8 bytes a parameter), the mean taken a tensor at a time.
     Refused, before OUT is touched, if the two are not the same model. Returns the two steps."""
-    where = lambda run: str(run).rstrip("/") if is_gcs(run) else Path(run).resolve()
-    if where(run_a) == where(run_b):
+    data.check_writable_place(str(out), "OUT")
+    if _absolute(run_a) == _absolute(run_b):
         raise ValueError(f"{run_a} and {run_b} are one run: its average with itself is itself; name two runs")
     (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
     if diff := model_differences(a.cfg, b.cfg):
@@ -2288,14 +2241,44 @@ def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]
 
 
 def unfinished_writes(folder) -> list[str]:
-    """The folders of a checkpoint folder that are no checkpoint: a save in flight, or cut short (no commit
-    marker; or, from before commit markers, a temporary name)."""
-    if not folder.is_dir():
+    """The folders of a checkpoint folder (local or gs://) that are no checkpoint: a save in flight, or cut short
+    (no commit marker; or, from before commit markers, a temporary name)."""
+    if not data.is_dir(folder):
         return []
-    found = [p for p in folder.iterdir() if p.is_dir()]
-    return sorted(
-        p.name for p in found if ".orbax-checkpoint-tmp" in p.name or not (p / COMMIT_MARKER).exists()
-    )
+    files = set(data.listing(folder))
+    steps = {name.split("/")[0] for name in files if "/" in name}
+    if not data.is_url(folder):  # a folder Orbax made before writing a file in it
+        steps |= {name for name in os.listdir(folder) if os.path.isdir(os.path.join(folder, name))}
+    return sorted(s for s in steps if ".orbax-checkpoint-tmp" in s or f"{s}/{COMMIT_MARKER}" not in files)
+
+
+def restore_quarantined(run_dir, step: int | None = None) -> list[tuple[str, str]]:
+    """Move the checkpoints a run set aside as corrupt (RUN_DIR/quarantined/<step>-<time>) back into its
+    checkpoints/, for when the storage, not the bytes, was at fault: the next run reads them again, and sets
+    aside any that truly fail their checksums. `step`: that step's alone. Of several copies of a step, the
+    newest moves. Refused where checkpoints/ holds that step already. Returns each (from, to) moved."""
+    run_dir = _absolute(run_dir)
+    with RunLock(run_dir):
+        newest = {
+            name.split("-")[0]: name for name in quarantined_steps(run_dir)
+        }  # sorted: the last is newest
+        if step is not None:
+            newest = {k: v for k, v in newest.items() if k == str(step)}
+        if not newest:
+            which = f" of step {step}" if step is not None else ""
+            raise FileNotFoundError(
+                f"{data.join(run_dir, 'quarantined')} holds no checkpoint{which} to restore"
+            )
+        moves = [
+            (data.join(run_dir, "quarantined", name), data.join(run_dir, "checkpoints", k))
+            for k, name in sorted(newest.items(), key=lambda kv: int(kv[0]))
+        ]
+        for source, target in moves:
+            if data.is_dir(target):
+                raise FileExistsError(f"{target} exists already; {source} stays where it is")
+        for source, target in moves:
+            data.move_tree(source, target, COMMIT_MARKER)
+    return moves
 
 
 def list_checkpoints(run_dir) -> list[dict]:
@@ -2304,7 +2287,13 @@ def list_checkpoints(run_dir) -> list[dict]:
     rows = []
     try:
         for step in ckpts.steps():
-            row = dict(step=step, size=size_of(ckpts.dir / str(step)), time=None, valid=True, problem="")
+            row = dict(
+                step=step,
+                size=data.tree_size(data.join(ckpts.dir, str(step))),
+                time=None,
+                valid=True,
+                problem="",
+            )
             try:
                 _, _, meta = ckpts.read(step)
                 row["time"] = meta.get("time")
@@ -2331,10 +2320,24 @@ def main(argv: list[str]) -> int:
         )
         return 2
     parser = argparse.ArgumentParser(prog="ckpt.py", description=__doc__.split("\n\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--storage_patience",
+        type=float,
+        default=data.PATIENCE_S,
+        help="seconds each storage request is tried again on transient answers (503s, resets) before stopping",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("list", help="checkpoints of a run directory with step, size, time and validity")
+    add = lambda name, **kw: sub.add_parser(name, parents=[common], **kw)
+    p = add("list", help="checkpoints of a run directory with step, size, time and validity")
     p.add_argument("run_dir")
-    p = sub.add_parser("to-hf", help="export a checkpoint as a Hugging Face Olmo3ForCausalLM directory")
+    p = add(
+        "restore-quarantined",
+        help="move the checkpoints a run set aside as corrupt back (after a fault of the storage, not the bytes)",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("step", type=int, nargs="?", default=None, help="default: every step set aside")
+    p = add("to-hf", help="export a checkpoint as a Hugging Face Olmo3ForCausalLM directory")
     p.add_argument("run_dir")
     p.add_argument("out")
     p.add_argument("--step", type=int, default=None, help="default: the newest valid checkpoint")
@@ -2342,10 +2345,10 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--tokenizer", default=None, help="dolma2, tiny, none or a tokenizer.json; default: the run's"
     )
-    p = sub.add_parser("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
+    p = add("from-hf", help="import a Hugging Face directory as step 0 of a new run directory")
     p.add_argument("hf_dir")
     p.add_argument("run_dir")
-    p = sub.add_parser(
+    p = add(
         "average",
         help="the mean of two runs' weights (newest valid checkpoints) as step 0 of a new run, weights only",
     )
@@ -2356,16 +2359,14 @@ def main(argv: list[str]) -> int:
         "--different_steps", action="store_true", help="average newest checkpoints at different steps too"
     )
     args = parser.parse_args(argv)
+    if args.storage_patience <= 0:
+        parser.error(f"--storage_patience {args.storage_patience}: expected seconds above 0")
+    data.set_patience(args.storage_patience)
     shard.quiet_libtpu()
     try:
         return run_command(args)
-    except (
-        OSError,
-        ValueError,
-        CorruptCheckpoint,
-        RunDirError,
-    ) as e:  # the message names the path and the fix
-        print(f"error: {e}", file=sys.stderr)
+    except (OSError, ValueError, CorruptCheckpoint, RunDirError, data.StorageUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)  # the message names the path and the fix
         return 1
 
 
@@ -2378,7 +2379,7 @@ def run_command(args) -> int:
             print(
                 f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}"
             )
-        folder = run_path(args.run_dir) / "checkpoints"
+        folder = data.join(args.run_dir, "checkpoints")
         unfinished = unfinished_writes(folder)
         if not rows:  # an interrupted first write is not a checkpoint, and not nothing either
             left = (
@@ -2390,6 +2391,13 @@ def run_command(args) -> int:
                 f"not committed (no {COMMIT_MARKER}; never read, removed by the next run): {', '.join(unfinished)}"
             )
         return 0 if all(r["valid"] for r in rows) and not (unfinished and not rows) else 1
+    if args.command == "restore-quarantined":
+        for source, target in restore_quarantined(args.run_dir, args.step):
+            print(f"moved {source} back to {target}")
+        print(
+            f"the next run of {args.run_dir} reads them again (and sets aside any that fail their checksums)"
+        )
+        return 0
     if args.command == "to-hf":
         step = export_hf(args.run_dir, args.out, args.step, args.dtype, args.tokenizer)
         print(f"wrote step {step} of {args.run_dir} to {args.out}")

@@ -20,6 +20,7 @@ and the document index are cached in a work directory, local or gs://, in OLMo-c
 """
 
 import argparse
+import asyncio
 import bisect
 import collections
 import concurrent.futures
@@ -31,11 +32,13 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import queue
 import random
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -110,6 +113,23 @@ def mix_lines(
     return entries
 
 
+def find_mix(mix_file: str, data_root: str) -> str:
+    """Where a mix file named by --data is: as given (a URL, or a path from the working directory), else under
+    --data_root with the token files it lists; refused in one line naming every place looked in."""
+    places = (
+        [mix_file]
+        if is_url(mix_file) or os.path.isabs(mix_file) or not data_root
+        else [mix_file, under(data_root, mix_file)]
+    )
+    for place in places:
+        if exists(place):
+            return place
+    raise (DataError if any(map(is_url, places)) else FileNotFoundError)(
+        f"mix file {mix_file} does not exist (looked for {' and '.join(places)}; OLMo-core's official mixes "
+        "are in its package, olmo_core/data/mixes/: pass the file's path)"
+    )
+
+
 def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
     """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
     return [path for _, _, path in mix_lines(mix_file, data_root, tokenizer_id)]
@@ -127,51 +147,61 @@ def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
     return indices
 
 
-@contextlib.contextmanager
-def _atomic(path: str, mode: str = "wb"):
-    """Write to a unique temporary name beside path, renamed to path only if the block completes."""
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"  # unique: hosts sharing a work_dir may write at once
-    try:
-        with open(tmp, mode) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_atomic(path, text: str) -> None:
-    """Replace a small text file whole: readers see the old one or the new one, never a torn write."""
-    with _atomic(os.fspath(path), "w") as f:
-        f.write(text)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Files at a path or a URL (gs://BUCKET/..., s3://BUCKET/..., http(s)://HOST/...). A URL is read by byte range
-# through TensorStore (installed with Orbax): the reads of a batch go out at once, on its C++ threads, and its
-# gcs, s3 and http drivers retry timeouts and 5xx with backoff (RETRIES). A size is the server's metadata (an
-# HTTP HEAD, an object's size), never a download. A URL that is missing or refused is a DataError naming it.
-# s3:// is found as the AWS tools find it: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL for another S3-compatible
-# store (MinIO, R2, ...), AWS_REGION or AWS_DEFAULT_REGION, and the credentials of the environment, else of
-# ~/.aws or the instance.
+# Storage: files at a path or a URL. The one place that knows local paths, gs://BUCKET/..., s3://BUCKET/...
+# and http(s)://HOST/...; ckpt.py and train.py read and write through the functions here, and hand Orbax
+# only a path (for gs://, its files go through the patient gcsfs below, its arrays through TensorStore with
+# the same patience). Two transports, each built once: TensorStore moves bytes (the ranged reads of a batch
+# all in flight at once on its C++ threads, large writes), and each scheme's own client does what TensorStore
+# cannot (listings, preconditions, compose, copies, deletes): google-cloud-storage, boto3, urllib. One
+# credentials policy: the environment's (a VM's service account or `gcloud auth application-default login`;
+# AWS's variables, ~/.aws or the instance), and where none is found anonymous access, so a public bucket
+# reads from anywhere and a write says what it lacks. s3:// is found as the AWS tools find it:
+# AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL for another S3-compatible store (MinIO, R2, ...), AWS_REGION or
+# AWS_DEFAULT_REGION.
+#
+# One weather policy for every request (patiently): a transient answer (408, 429, 5xx, a reset, a timeout, a
+# refused connection) is tried again, the pause doubling from 0.25 s to 30 s with jitter, until the patience
+# (--storage_patience, 10 minutes: longer than a pod's restart takes) is spent; then StorageUnavailable stops
+# the run in one line naming the URL, the last answer and how long it tried. A retried write is safe: writes
+# that must not happen twice go at a generation (create-if-absent, replace, append by compose at the
+# generation read), and one that finds its precondition failed checks whether its own earlier try landed.
 
 URL_SCHEMES = ("gs", "s3", "http", "https")
 BUCKETS = ("gs", "s3")  # an object name follows the bucket, unquoted; an HTTP path is quoted
+WRITABLE = ("gs",)  # URLs a run directory or an output may be (Orbax writes no s3://; HTTP is read-only)
 GCS_EXTRA = "pip install -e '.[gcs]'"
 S3_EXTRA = "pip install -e '.[s3]'"
-# Backoff doubling from 0.1 s to 30 s: ~80 s of retries before a read fails (TensorStore's default, 32 retries
-# up to 32 s apart, would wait 15 minutes on a server that is down). TensorStore also cuts a transfer that
-# stalls for 60 s (TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS), and that is retried too.
-RETRIES = {"max_retries": 10, "initial_delay": "0.1s", "max_delay": "30s"}
-TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)  # statuses worth another try, as TensorStore's http driver
+TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)  # statuses worth another try
+REFUSED_HTTP = (401, 403)  # an answer that waiting does not change: the account may not do this
 IN_FLIGHT = 64  # requests at once to one bucket or server (TensorStore's default, 32, halves a host's reads)
 WHOLE_FILE_CHUNK = 64 << 20  # a whole file (a scan, a cache) is read as concurrent ranges of this many bytes
+PATIENCE_S = 600.0  # --storage_patience (set_patience)
+FIRST_PAUSE_S, LAST_PAUSE_S = 0.25, 30.0
+SAY_AFTER_S = 10.0  # a failure that lasts this long is said once on stderr, so a stalled run says why
 
 
-def is_url(path: str) -> bool:
-    return "://" in path
+class StorageError(OSError):
+    """Storage that did not do what was asked: one line naming the URL and the answer."""
+
+
+class StorageUnavailable(Exception):
+    """No answer but transient ones for the whole patience: the storage is out, nothing is damaged. Not an
+    OSError, so that no code taking an OSError for a read-only place or damaged bytes mistakes it for one."""
+
+
+class StorageRefused(StorageError):
+    """The storage refused (401, 403): this account may not do it, and waiting will not change that."""
+
+
+def set_patience(seconds: float) -> None:
+    """How long every request is tried again on transient answers (--storage_patience)."""
+    global PATIENCE_S
+    PATIENCE_S = float(seconds)
+
+
+def is_url(path) -> bool:
+    return "://" in str(path)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -186,6 +216,13 @@ def split_url(url: str) -> tuple[str, str]:
     return f"{scheme}://{host}", key if scheme in BUCKETS else "/" + urllib.parse.unquote(key)
 
 
+def _bucket_key(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket, object name or prefix) of a gs:// or s3:// URL."""
+    scheme, _, rest = str(url).partition("://")
+    bucket, _, key = rest.partition("/")
+    return scheme, bucket, key
+
+
 def under(root: str, path: str) -> str:
     """path under root, a folder or a URL (OLMo-core's f"{base_dir}/{path}"); a URL or absolute path as is."""
     if not root or is_url(path) or os.path.isabs(path):
@@ -193,15 +230,165 @@ def under(root: str, path: str) -> str:
     return f"{root.rstrip('/')}/{path}" if is_url(root) else os.path.join(root, path)
 
 
-@functools.cache
+def join(folder, *names: str) -> str:
+    """A path in a folder, local or a URL."""
+    folder = str(folder)
+    return "/".join([folder.rstrip("/"), *names]) if is_url(folder) else os.path.join(folder, *names)
+
+
+def check_writable_place(path: str, flag: str) -> None:
+    """Refuse, before anything is read, a URL that nothing here can write: s3:// (Orbax writes no s3
+    checkpoints) and http(s)://."""
+    scheme = str(path).partition("://")[0] if is_url(path) else ""
+    if scheme and scheme not in WRITABLE:
+        raise StorageRefused(
+            f"{flag} {path}: {scheme}:// can be read but not written here; expected a local path or "
+            "gs://BUCKET/PATH"
+        )
+
+
+# --- The weather policy ---
+
+
+def _chain(e: BaseException):
+    """e and the errors it was raised from or during, outermost first."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status an error carries, whichever client raised it."""
+    for name in ("code", "status", "status_code"):
+        if isinstance(value := getattr(e, name, None), int) and 100 <= value < 600:
+            return value
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return getattr(response, "status_code", None)
+
+
+# Errors that mean the request never got its answer (a reset, a refused or dropped connection, a timeout), by
+# class name across the clients: builtins, requests, urllib3, google-auth, aiohttp (gcsfs), botocore.
+CONNECTION_ERRORS = {
+    "ConnectionError",
+    "TimeoutError",
+    "Timeout",
+    "ProtocolError",
+    "RemoteDisconnected",
+    "IncompleteRead",
+    "ChunkedEncodingError",
+    "TransportError",
+    "ClientConnectionError",
+    "ClientPayloadError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+}
+# TensorStore's errors are ValueErrors whose message starts with the absl status; these are the weather.
+TENSORSTORE_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def transient_answer(e: BaseException) -> str | None:
+    """What the storage answered, in a few words, where error `e` (or one it came from) is weather that a
+    later try may not meet; None where it is not (a 404, a 403, bad bytes)."""
+    for link in _chain(e):
+        if isinstance(link, StorageUnavailable):
+            return str(link)
+        status = _status(link)
+        names = {kind.__name__ for kind in type(link).__mro__}
+        if status in TRANSIENT_HTTP or (status is None and names & CONNECTION_ERRORS):
+            return (
+                f"{status} {type(link).__name__}" if status else f"{type(link).__name__}: {_first_line(link)}"
+            )
+        if isinstance(link, urllib.error.URLError) and isinstance(link.reason, OSError):
+            return f"{type(link.reason).__name__}: {link.reason}"
+        if isinstance(link, ValueError) and str(link).startswith(TENSORSTORE_TRANSIENT):
+            return _first_line(link)
+    return None
+
+
+def refusal(e: BaseException) -> str | None:
+    """The refusal (401, 403, TensorStore's PERMISSION_DENIED) in error `e`'s chain, in a few words, or None."""
+    for link in _chain(e):
+        if _status(link) in REFUSED_HTTP or str(link).startswith(("PERMISSION_DENIED", "UNAUTHENTICATED")):
+            return f"{_status(link) or ''} {_first_line(link)}".strip()
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+class _Patience:
+    """One request's tries: the pause before the next, or StorageUnavailable once the patience is spent."""
+
+    def __init__(self, what: str, url: str):
+        self.what, self.url, self.start, self.pause_s, self.said = what, url, time.monotonic(), 0.0, False
+
+    def pause(self, e: BaseException) -> float | None:
+        """Seconds to wait before trying again after `e`; None where `e` is no weather (the caller raises it)."""
+        answer = transient_answer(e)
+        if answer is None:
+            return None
+        waited = time.monotonic() - self.start
+        if waited >= PATIENCE_S:
+            raise StorageUnavailable(
+                f"{self.url}: {self.what} got no answer but transient ones for {waited:.0f} s (the last: "
+                f"{answer}); stopped after --storage_patience {PATIENCE_S:g} s with nothing lost: run again "
+                "once the storage answers"
+            ) from e
+        if waited >= SAY_AFTER_S and not self.said:
+            self.said = True
+            print(
+                f"storage: {self.url}: {self.what} answered {answer} for {waited:.0f} s; trying again for up "
+                f"to --storage_patience {PATIENCE_S:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.pause_s = min(max(2 * self.pause_s, FIRST_PAUSE_S), LAST_PAUSE_S)
+        return min(self.pause_s * random.uniform(0.5, 1.0), PATIENCE_S - waited)
+
+
+def patiently(what: str, url: str, request: Callable):
+    """request() through the weather policy: tried again on transient answers until the patience is spent."""
+    patience = _Patience(what, url)
+    while True:
+        try:
+            return request()
+        except Exception as e:
+            if (pause := patience.pause(e)) is None:
+                raise
+        time.sleep(pause)
+
+
+def tensorstore_retries() -> dict:
+    """TensorStore's own retries of a request (it doubles its pause from 1 s to 32 s), as long in all as the
+    patience: the same policy for the bytes it moves, Orbax's arrays included."""
+    tries = 5 + math.ceil(max(PATIENCE_S - 31, 0) / 32)
+    return {"max_retries": tries, "initial_delay": "1s", "max_delay": "32s"}
+
+
+# --- The clients, one of each, made at first use ---
+
+
 def _store(root: str):
-    """The TensorStore key-value store of a bucket or a server, opened once, so its connections are reused."""
+    """The TensorStore key-value store of a bucket or a server, opened once (for each patience), so its
+    connections are reused."""
+    return _opened_store(root, PATIENCE_S)
+
+
+@functools.cache
+def _opened_store(root: str, patience: float):
     import tensorstore as ts
 
     limit = {"limit": IN_FLIGHT}
     context = ts.Context(
         {
-            **{f"{driver}_request_retries": RETRIES for driver in ("gcs", "s3", "http")},
+            **{f"{driver}_request_retries": tensorstore_retries() for driver in ("gcs", "s3", "http")},
             **{f"{driver}_request_concurrency": limit for driver in ("gcs", "s3", "http")},
         }
     )
@@ -229,6 +416,76 @@ def _s3_spec(bucket: str) -> dict:
     return spec
 
 
+@functools.cache
+def _gcs():
+    """google-cloud-storage's client: the environment's credentials, else anonymous."""
+    try:
+        from google.auth.exceptions import DefaultCredentialsError
+        from google.cloud import storage
+    except ImportError as e:
+        raise StorageError(f"gs:// needs google-cloud-storage: {GCS_EXTRA}") from e
+    try:
+        return storage.Client()
+    except DefaultCredentialsError:
+        return storage.Client.create_anonymous_client()
+
+
+@functools.cache
+def _s3():
+    """boto3's S3 client, which reads the same AWS environment as TensorStore; retries are ours, not boto3's."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as e:
+        raise StorageError(f"s3:// needs boto3: {S3_EXTRA}") from e
+    return boto3.client("s3", config=Config(retries={"total_max_attempts": 1}))
+
+
+def _blob(url: str):
+    _, bucket, key = _bucket_key(url)
+    return _gcs().bucket(bucket).blob(key)
+
+
+def for_orbax(path: str) -> str:
+    """`path` as Orbax is told it. A gs:// path's files (step folders, its JSON items, commit markers, listings)
+    Orbax reaches through etils.epath and gcsfs: the patient gcsfs below is registered for it, with listings
+    asked of the bucket each time (other hosts write there too)."""
+    if str(path).startswith("gs://"):
+        _register_patient_gcsfs()
+    return str(path)
+
+
+@functools.cache
+def _register_patient_gcsfs() -> None:
+    try:
+        import fsspec
+        import gcsfs
+    except ImportError as e:
+        raise StorageError(f"a gs:// run directory needs gcsfs: {GCS_EXTRA}") from e
+
+    class PatientGCSFileSystem(gcsfs.GCSFileSystem):
+        """gcsfs, each request under the weather policy instead of gcsfs's own six tries."""
+
+        async def _request(self, method, path, *args, **kwargs):
+            once = gcsfs.GCSFileSystem._request.__wrapped__  # one try: gcsfs's retry_request unwrapped
+            patience = _Patience(f"{method} (Orbax, through gcsfs)", self._format_path(path, args))
+            while True:
+                try:
+                    return await once(self, method, path, *args, **kwargs)
+                except Exception as e:
+                    if (pause := patience.pause(e)) is None:
+                        raise
+                await asyncio.sleep(pause)
+
+    fsspec.config.conf.setdefault("gs", {}).setdefault("use_listings_cache", False)
+    fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
+    for protocol in ("gs", "gcs"):
+        fsspec.register_implementation(protocol, PatientGCSFileSystem, clobber=True)
+
+
+# --- Reading ---
+
+
 def read_ranges(ranges: list[tuple[str, int, int]]) -> Iterator[bytes]:
     """The bytes [start, stop) of each (path, start, stop), in order: the reads of URLs all sent now, those of
     local files made as they are taken. A range the file does not hold in full is an error, never padding."""
@@ -251,13 +508,7 @@ def _received(future, path: str, start: int, stop: int) -> bytes:
             f.seek(start)
             value = f.read(stop - start)
     else:
-        try:
-            result = future.result()
-        except ValueError as e:  # TensorStore's, once its retries are spent (or at once: a 403, a short file)
-            raise DataError(f"{path}: reading bytes {start}..{stop} failed: {e}") from e
-        if result.state == "missing":
-            raise DataError(f"{path} does not exist (404 Not Found)")
-        value = result.value
+        value = _tensorstore_value(future, path, start, stop)
     if len(value) != stop - start:
         raise DataError(
             f"{path}: bytes {start}..{stop} read as {len(value)}: the file is shorter than expected"
@@ -265,135 +516,33 @@ def _received(future, path: str, start: int, stop: int) -> bytes:
     return value
 
 
-def file_size(path: str) -> int | None:
-    """A file's size in bytes, None if it does not exist: the local file's, or the server's metadata."""
+def _tensorstore_value(future, path: str, start: int, stop: int) -> bytes:
+    try:
+        result = future.result()
+    except ValueError as e:  # once TensorStore's own retries are spent, or at once: a 403, a short file
+        if answer := transient_answer(e):
+            raise StorageUnavailable(
+                f"{path}: reading bytes {start}..{stop} got no answer but transient ones within "
+                f"--storage_patience {PATIENCE_S:g} s (the last: {answer}); stopped with nothing lost"
+            ) from e
+        raise DataError(f"{path}: reading bytes {start}..{stop} failed: {e}") from e
+    if result.state == "missing":
+        raise DataError(f"{path} does not exist (404 Not Found)")
+    return result.value
+
+
+def read_bytes(path: str) -> bytes:
+    """A whole (small) file; FileNotFoundError naming it where there is none."""
     if not is_url(path):
-        return os.path.getsize(path) if os.path.isfile(path) else None
-    root, key = split_url(path)
-    scheme, _, bucket = root.partition("://")
-    if scheme == "gs":
-        return _gcs_size(bucket, key, path)
-    return _s3_size(bucket, key, path) if scheme == "s3" else _http_size(path)
+        with open(path, "rb") as f:
+            return f.read()
+    if (size := file_size(path)) is None:
+        raise FileNotFoundError(f"{path} does not exist")
+    return next(read_ranges([(path, 0, size)]))
 
 
-def file_sizes(paths: list[str]) -> list[int | None]:
-    """file_size of each path, 32 at a time: a mix of 1,016 files at a URL is 1,016 requests, seconds."""
-    with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        return list(pool.map(file_size, paths))
-
-
-def _http_size(url: str) -> int | None:
-    """Content-Length of an HTTP HEAD, retried on timeouts and 5xx with TensorStore's backoff; None on a 404."""
-    tries = RETRIES["max_retries"] + 1
-    for attempt in range(tries):
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as response:
-                if (length := response.headers["Content-Length"]) is None:
-                    raise DataError(
-                        f"{url}: the server states no Content-Length, so the file's size is unknown"
-                    )
-                return int(length)
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            if e.code not in TRANSIENT_HTTP:
-                raise DataError(f"{url}: HTTP {e.code} {e.reason}") from e
-            error = e
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-            error = e
-        time.sleep(min(0.1 * 2**attempt, 30))
-    raise DataError(f"{url}: no answer in {tries} tries over ~80 s, the last: {error}") from error
-
-
-@functools.cache
-def _gcs_client():
-    """google-cloud-storage's client, for gs:// sizes and listings. Anonymous where no credentials are found, as
-    TensorStore then reads, so that a public bucket reads from anywhere."""
-    try:
-        from google.auth.exceptions import DefaultCredentialsError
-        from google.cloud import storage
-    except ImportError as e:
-        raise DataError(
-            f"gs:// data needs google-cloud-storage for object sizes and listings: {GCS_EXTRA}"
-        ) from e
-    try:
-        return storage.Client()
-    except DefaultCredentialsError:
-        return storage.Client.create_anonymous_client()
-
-
-def _gcs_size(bucket: str, name: str, url: str) -> int | None:
-    from google.api_core.exceptions import GoogleAPICallError
-
-    try:  # the client retries timeouts, 429 and 5xx itself
-        blob = _gcs_client().bucket(bucket).get_blob(name)
-    except GoogleAPICallError as e:
-        raise DataError(f"{url}: {e}") from e
-    return None if blob is None else blob.size
-
-
-@functools.cache
-def _s3_client():
-    """boto3's S3 client, for s3:// sizes and listings; it reads the same AWS environment as TensorStore."""
-    try:
-        import boto3
-    except ImportError as e:
-        raise DataError(f"s3:// data needs boto3 for object sizes and listings: {S3_EXTRA}") from e
-    return boto3.client("s3")
-
-
-def _s3_size(bucket: str, name: str, url: str) -> int | None:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:  # boto3 retries timeouts, throttling and 5xx itself
-        return _s3_client().head_object(Bucket=bucket, Key=name)["ContentLength"]
-    except ClientError as e:
-        if e.response["Error"]["Code"] in ("404", "NoSuchKey"):
-            return None
-        raise DataError(f"{url}: {e}") from e
-    except BotoCoreError as e:  # no credentials, no answer
-        raise DataError(f"{url}: {e}") from e
-
-
-def _gcs_names(bucket: str, prefix: str) -> list[str]:
-    """The names of a bucket's objects under a prefix; a bucket that cannot be listed is a DataError."""
-    client = _gcs_client()
-    from google.api_core.exceptions import GoogleAPICallError
-
-    try:
-        return [blob.name for blob in client.list_blobs(bucket, prefix=prefix)]
-    except GoogleAPICallError as e:
-        raise DataError(f"gs://{bucket}/{prefix}: listing failed: {e}") from e
-
-
-def _s3_names(bucket: str, prefix: str) -> list[str]:
-    """The names of a bucket's objects under a prefix; a bucket that cannot be listed is a DataError."""
-    client = _s3_client()
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-        return [entry["Key"] for page in pages for entry in page.get("Contents", [])]
-    except (BotoCoreError, ClientError) as e:
-        raise DataError(f"s3://{bucket}/{prefix}: listing failed: {e}") from e
-
-
-def _glob(pattern: str, flag: str) -> list[str]:
-    """The files a glob matches, sorted; in a bucket from a listing, * and ? within one folder as glob's."""
-    if not is_url(pattern):
-        return sorted(glob.glob(pattern))
-    root, key = split_url(pattern)
-    scheme, _, bucket = root.partition("://")
-    if scheme not in BUCKETS:
-        raise DataError(
-            f"{flag}: {pattern}: an HTTP server lists no files to glob; name each file or use a mix file"
-        )
-    parts = key.split("/")
-    names = (_gcs_names if scheme == "gs" else _s3_names)(bucket, re.split(r"[*?[]", key)[0])
-    matches = lambda name: (
-        len(name.split("/")) == len(parts) and all(map(fnmatch.fnmatchcase, name.split("/"), parts))
-    )
-    return sorted(f"{root}/{name}" for name in names if matches(name))
+def read_text(path: str) -> str:
+    return read_bytes(path).decode()
 
 
 def load_array(path: str, dtype, size: int) -> np.ndarray:
@@ -407,20 +556,136 @@ def load_array(path: str, dtype, size: int) -> np.ndarray:
     return out.view(dtype)
 
 
-def write_file(path: str, contents: bytes | np.ndarray) -> None:
-    """Write a file whole: readers see the old file or the new, never a torn one (a local file is renamed into
-    place; a GCS object is only ever seen whole)."""
+def exists(path: str) -> bool:
+    """Whether a file is there (a folder: is_dir)."""
+    return os.path.isfile(path) if not is_url(path) else file_size(path) is not None
+
+
+def file_size(path: str) -> int | None:
+    """A file's size in bytes, None if it does not exist: the local file's, or the server's metadata."""
     if not is_url(path):
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with _atomic(path) as f:
-            f.write(memoryview(contents))
-        return
-    root, key = split_url(path)
-    data = contents if isinstance(contents, bytes) else contents.tobytes()
+        return os.path.getsize(path) if os.path.isfile(path) else None
+    scheme = path.partition("://")[0]
+    if scheme == "gs":
+        blob = _gcs_stat(path)
+        return None if blob is None else blob.size
+    if scheme == "s3":
+        return patiently("size", path, lambda: _s3_size(path))
+    split_url(path)  # (refuses another scheme)
+    return patiently("size", path, lambda: _http_size(path))
+
+
+def file_sizes(paths: list[str]) -> list[int | None]:
+    """file_size of each path, 32 at a time: a mix of 1,016 files at a URL is 1,016 requests, seconds."""
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        return list(pool.map(file_size, paths))
+
+
+def _gcs_stat(url: str):
+    """The gs:// object's metadata (size, generation), or None where there is none."""
+
+    def stat():
+        try:
+            return _blob(url).bucket.get_blob(_blob(url).name, retry=None)
+        except Exception as e:
+            _reraise(e, url, "looking up")
+
+    return patiently("looking up", url, stat)
+
+
+def _s3_size(url: str) -> int | None:
+    _, bucket, key = _bucket_key(url)
     try:
-        _store(root).write(key, data).result()
-    except ValueError as e:
-        raise DataError(f"{path}: writing failed: {e}") from e
+        return _s3().head_object(Bucket=bucket, Key=key)["ContentLength"]
+    except Exception as e:
+        if _status(e) == 404:
+            return None
+        _reraise(e, url, "size")
+
+
+def _http_size(url: str) -> int | None:
+    """Content-Length of an HTTP HEAD; None on a 404."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=60) as response:
+            length = response.headers["Content-Length"]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        _reraise(e, url, "size")
+    if length is None:
+        raise DataError(f"{url}: the server states no Content-Length, so the file's size is unknown")
+    return int(length)
+
+
+def _reraise(e: Exception, url: str, what: str):
+    """Raise for a failed request: `e` itself where it is weather (patiently tries again), else one line naming
+    the URL: a refusal (StorageRefused) or another answer (StorageError)."""
+    if transient_answer(e):
+        raise e
+    if why := refusal(e):
+        raise StorageRefused(f"{url}: {what} refused ({why}); expected an account that may do it") from e
+    raise StorageError(f"{url}: {what} failed: {_first_line(e)}") from e
+
+
+def listing(folder: str) -> list[str]:
+    """The files under a folder (all depths), as paths relative to it, sorted; [] where there is none."""
+    return sorted(_files_under(folder))
+
+
+def _files_under(folder: str) -> dict[str, int]:
+    """{path relative to the folder: size} of every file under it."""
+    if not is_url(folder):
+        found = [os.path.join(parent, name) for parent, _, names in os.walk(folder) for name in names]
+        return {os.path.relpath(f, folder): os.path.getsize(f) for f in found}
+    prefix = folder.rstrip("/") + "/"
+    return {name[len(prefix) :]: size for name, size in objects(prefix).items()}
+
+
+def objects(prefix: str, limit: int | None = None) -> dict[str, int]:
+    """{URL: size} of the objects whose URL starts with `prefix` (gs:// or s3://), from a listing; the first
+    `limit` of them where given."""
+    scheme, bucket, key = _bucket_key(prefix)
+    if scheme not in BUCKETS:
+        raise DataError(f"{prefix}: an HTTP server lists no files; name each file, or use a mix file")
+
+    def listed():
+        try:
+            if scheme == "gs":
+                found = _gcs().list_blobs(bucket, prefix=key, max_results=limit, retry=None)
+                return {blob.name: blob.size for blob in found}
+            pages = (
+                _s3()
+                .get_paginator("list_objects_v2")
+                .paginate(Bucket=bucket, Prefix=key, PaginationConfig={"MaxItems": limit})
+            )
+            return {entry["Key"]: entry["Size"] for page in pages for entry in page.get("Contents", [])}
+        except Exception as e:
+            _reraise(e, prefix, "listing")
+
+    root = f"{scheme}://{bucket}/"
+    return {root + name: size for name, size in patiently("listing", prefix, listed).items()}
+
+
+def is_dir(folder: str) -> bool:
+    """Whether a folder holds anything (a bucket has no folders, only names with its prefix)."""
+    if not is_url(folder):
+        return os.path.isdir(folder)
+    return bool(objects(folder.rstrip("/") + "/", limit=1))
+
+
+def _glob(pattern: str, flag: str) -> list[str]:
+    """The files a glob matches, sorted; in a bucket from a listing, * and ? within one folder as glob's."""
+    if not is_url(pattern):
+        return sorted(glob.glob(pattern))
+    if pattern.partition("://")[0] not in BUCKETS:
+        raise DataError(
+            f"{flag}: {pattern}: an HTTP server lists no files to glob; name each file or use a mix file"
+        )
+    parts = pattern.split("/")
+    matches = lambda url: (
+        len(url.split("/")) == len(parts) and all(map(fnmatch.fnmatchcase, url.split("/"), parts))
+    )
+    return sorted(url for url in objects(re.split(r"[*?[]", pattern)[0]) if matches(url))
 
 
 def expand(patterns: list[str], flag: str) -> list[str]:
@@ -434,6 +699,247 @@ def expand(patterns: list[str], flag: str) -> list[str]:
             raise DataError(f"{flag}: {pattern!r} matches no file")
         found += matches
     return found
+
+
+# --- Writing ---
+
+
+@contextlib.contextmanager
+def _atomic(path: str, mode: str = "wb"):
+    """Write to a unique temporary name beside path, renamed to path only if the block completes."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"  # unique: hosts sharing a work_dir may write at once
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_file(path: str, contents: bytes | str | np.ndarray) -> None:
+    """Write a file whole: readers see the old file or the new, never a torn one (a local file is written
+    beside it and renamed into place; an object is only ever seen whole)."""
+    body = contents.encode() if isinstance(contents, str) else contents
+    if not is_url(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with _atomic(path) as f:
+            f.write(memoryview(body))
+        return
+    check_writable_place(path, "writing")
+    body = body if isinstance(body, bytes) else body.tobytes()
+    root, key = split_url(path)
+    try:  # TensorStore: its upload of a large file (a 2.9 GB permutation) is its own, retried as above
+        _store(root).write(key, body).result()
+    except ValueError as e:
+        if answer := transient_answer(e):
+            raise StorageUnavailable(f"{path}: writing got no answer within the patience ({answer})") from e
+        _reraise(e, path, "writing")
+
+
+def create(path: str, text: str) -> int | None:
+    """Write a new file only if there is none (of several processes, one wins): its generation (a local file's
+    is 1), or None where a file is there. A retry of a create that had landed finds the file, with its own
+    text: a unique `text` (the lock's holder) tells the two apart."""
+    if not is_url(path):
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+            return 1
+        except FileExistsError:
+            return None
+    blob = _blob(path)
+    if _upload_at(blob, path, text, generation=0):
+        return blob.generation
+    found, generation = read_versioned(path)
+    return generation if found == text.encode() else None
+
+
+def _upload_at(blob, url: str, text, generation: int) -> bool:
+    """Upload `text` to `blob` if the object is at `generation` (0: absent); False where it is not."""
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    def upload():
+        try:
+            blob.upload_from_string(text, if_generation_match=generation, retry=None)
+            return True
+        except (PreconditionFailed, NotFound):
+            return False
+        except Exception as e:
+            _reraise(e, url, "writing")
+
+    return patiently("writing", url, upload)
+
+
+def read_versioned(path: str) -> tuple[bytes | None, int | None]:
+    """(contents, generation) of a gs:// object read at one generation; (None, None) where there is none."""
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    def read():
+        try:
+            blob = _blob(path).bucket.get_blob(_blob(path).name, retry=None)
+            if blob is None:
+                return None, None
+            return blob.download_as_bytes(if_generation_match=blob.generation, retry=None), blob.generation
+        except PreconditionFailed:  # replaced between the two requests: read it again
+            return read()
+        except NotFound:
+            return None, None
+        except Exception as e:
+            _reraise(e, path, "reading")
+
+    return patiently("reading", path, read)
+
+
+def replace(path: str, text: str, generation: int) -> int | None:
+    """Replace a gs:// object only if it is still at `generation`: its new generation, or None where another
+    process has written it since (or removed it). A retry that finds its own earlier try landed is no loss."""
+    blob = _blob(path)
+    if _upload_at(blob, path, text, generation):
+        return blob.generation
+    found, now = read_versioned(path)
+    return now if found == text.encode() else None
+
+
+def remove(path: str, generation: int | None = None) -> None:
+    """Remove a file if it is there (on gs://, with `generation`, only if it is still at that generation)."""
+    if not is_url(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    check_writable_place(path, "removing")
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    def delete():
+        try:
+            _blob(path).delete(if_generation_match=generation, retry=None)
+        except (NotFound, PreconditionFailed):  # gone already (a retry whose first try landed), or not ours
+            pass
+        except Exception as e:
+            _reraise(e, path, "removing")
+
+    patiently("removing", path, delete)
+
+
+def append(path: str, text: str) -> None:
+    """Add `text` to the end of a file. A gs:// object cannot be appended to: `text` is uploaded as an object of
+    its own and composed onto the end of the file's object at the generation read (GCS's own append: the server
+    concatenates, so nothing already written is sent again, and readers see the file before or after, whole).
+    A retry whose compose had landed fails its precondition and finds its text at the end: never appended
+    twice."""
+    if not is_url(path):
+        with open(path, "a") as f:
+            f.write(text)
+        return
+    check_writable_place(path, "appending to")
+    body = text.encode()
+    while True:
+        whole = _gcs_stat(path)
+        if whole is None:
+            if create(path, text) is not None:
+                return
+            continue  # created meanwhile by another writer: append to it
+        if _compose_at(whole, path, body):
+            return
+
+
+def _compose_at(whole, url: str, body: bytes) -> bool:
+    """Compose `body` onto `whole` at the generation read; False where another writer got there first."""
+    part = _blob(f"{url}.part-{uuid.uuid4().hex[:12]}")
+    _upload_at(part, url, body, generation=0)
+    from google.api_core.exceptions import NotFound, PreconditionFailed
+
+    def compose():
+        try:
+            whole.compose([whole, part], if_generation_match=whole.generation, retry=None)
+            return True
+        except (PreconditionFailed, NotFound):
+            return False
+        except Exception as e:
+            _reraise(e, url, "appending to")
+
+    try:
+        if patiently("appending to", url, compose):
+            return True
+        now = _gcs_stat(url)
+        landed = now is not None and now.size == whole.size + len(body)
+        return landed and next(read_ranges([(url, whole.size, now.size)])) == body
+    finally:
+        remove(f"gs://{part.bucket.name}/{part.name}")
+
+
+def remove_tree(folder: str) -> None:
+    """Remove a folder and everything in it, if it is there."""
+    if not is_url(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for name in listing(folder):
+        remove(join(folder, name))
+
+
+def copy_tree(source: str, target: str, last: str | None = None) -> None:
+    """Copy every file under folder `source` to folder `target` (either local or gs://), keeping their relative
+    paths; the file named `last` (a commit marker) copied after all the others, so that a copy cut short is
+    never taken for a whole one. Within a bucket the server copies; otherwise the bytes pass through here."""
+    check_writable_place(target, "copying to")
+    names = sorted(listing(source), key=lambda name: name == last)
+    for name in names:
+        _copy_file(join(source, name), join(target, name))
+
+
+def _copy_file(source: str, target: str) -> None:
+    if source.startswith("gs://") and target.startswith("gs://"):
+        src, dst = _blob(source), _blob(target)
+
+        def copy():
+            try:
+                src.bucket.copy_blob(src, dst.bucket, dst.name, retry=None)
+            except Exception as e:
+                _reraise(e, target, "copying to")
+
+        patiently("copying to", target, copy)
+    else:
+        write_file(target, read_bytes(source))
+
+
+def move_tree(source: str, target: str, marker: str) -> None:
+    """Move a folder whose file `marker` says it is whole (a checkpoint's commit marker). A local one is
+    renamed (or, where renames fail, as on a gcsfuse mount, copied and removed: shutil.move). A bucket renames
+    nothing: every file is copied (the marker last), then the source's marker removed first, so that from then
+    on the source is no checkpoint, then the rest. A kill midway leaves the copy without its marker, or the
+    source whole, or a source without its marker, which no one reads."""
+    if not is_url(source) and not is_url(target):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.move(source, target)
+        return
+    copy_tree(source, target, last=marker)
+    remove(join(source, marker))
+    remove_tree(source)
+
+
+def tree_size(folder: str) -> int:
+    """Bytes in the files under a folder."""
+    return sum(_files_under(folder).values())
+
+
+def unwritable(folder: str) -> str | None:
+    """Why nothing can be written in `folder` (made here where it is a new local one), or None if it can: a
+    file written and removed (a read-only mount refuses it; a bucket this account may only read, 403)."""
+    probe = join(folder, f".write-test-{socket.gethostname()}-{os.getpid()}")  # hosts share the folder
+    try:
+        if not is_url(folder):
+            os.makedirs(folder, exist_ok=True)
+        write_file(probe, b"ok")
+        remove(probe)
+    except StorageRefused as e:
+        return str(e)
+    except StorageUnavailable:
+        raise
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[str], dict, str | None]:
@@ -463,7 +969,7 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
 
     def files(flag, spec):
         if spec.endswith(".txt"):
-            return read_mix(spec, data_root)
+            return read_mix(find_mix(spec, data_root), data_root)
         found = expand([under(data_root, part) for part in spec.split(",") if part], f"{flag} {spec!r}")
         for path in found:
             if not is_url(path) and os.path.isdir(path):
@@ -1483,8 +1989,7 @@ def hf_tokenizer_files(name: str, path: str | None = None) -> dict[str, str]:
     """tokenizer.json and tokenizer_config.json for a Hugging Face model directory: transformers'
     AutoTokenizer loads them and gives the ids get_tokenizer(name, path) gives."""
     if name == "tiny":
-        with open(tiny_tokenizer_file(path)) as f:
-            body = f.read()
+        body = read_text(tiny_tokenizer_file(path))  # a local file, or one in a run directory's bucket
         specials = {"eos_token": TINY_EOS}
     elif name == "dolma2":
         body, specials = _dolma2_tokenizer_json(), {"eos_token": "<|endoftext|>", "pad_token": "<|pad|>"}

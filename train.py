@@ -157,6 +157,8 @@ class TrainConfig:
 
     # run
     run_dir: str = "runs/7b"  # a folder, or gs://BUCKET/PATH: everything the run writes, checkpoints included
+    storage_patience: float = flag(600.0, above=0)  # seconds each request to storage (run directory, data)
+    # is tried again on transient answers (429, 5xx, resets, timeouts) before the run stops, losing nothing
     ckpt_every: int = flag(1000, low=1)
     keep_last: int = flag(2, low=2)  # recent checkpoints kept (at least 2: the newest may be mid-write)
     keep_every: int = flag(0, low=0)  # also keep every step divisible by this, forever; 0 = none
@@ -682,6 +684,7 @@ def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, 
 
 def main(cfg: TrainConfig) -> int:
     check_flags(cfg)
+    data.set_patience(cfg.storage_patience)  # every request to storage, from here on
     mesh, target = start_devices(cfg)
     model_cfg, compute = model_config(cfg), compute_policy(cfg, mesh)
     announce(cfg, mesh, model_cfg, compute)
@@ -940,7 +943,7 @@ def restore_or_init(run: Run):
     key = jax.random.key(cfg.init_seed)
     if restored:
         step, model, state, _ = restored
-        say(f"resuming from {run.checkpoints.dir / str(step)} (step {step})")
+        say(f"resuming from {data.join(run.checkpoints.dir, str(step))} (step {step})")
         if state is None:  # written by `ckpt.py from-hf` or `average`: weights only
             return step, model, make_opt(model), key
         opt = state["opt"]
@@ -1114,7 +1117,7 @@ def read_batches(run: Run, start: int) -> data.Prefetcher:
 def stop_on_nan(run: Run, step: int, metrics: dict) -> None:
     """A NaN loss or grad norm stops the run, naming the last checkpoint to go back to."""
     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-        saved = [run.checkpoints.dir / str(s) for s in run.checkpoints.steps()]
+        saved = [data.join(run.checkpoints.dir, str(s)) for s in run.checkpoints.steps()]
         last = f"the last checkpoint is {saved[-1]}" if saved else "no checkpoint yet"
         raise FloatingPointError(
             f"step {step}: loss {metrics['loss']}, grad norm {metrics['grad_norm']}; stopping ({last})"
@@ -1619,6 +1622,10 @@ def check_flags(cfg: TrainConfig) -> None:
     """Refuse what no single field can, before anything is compiled or written: FlagError names the flags,
     the values and what would be accepted. (What needs the devices or the data is refused where they are
     first known: start_devices, microbatches, set_up.)"""
+    try:  # gs:// or local: Orbax writes no s3://, and HTTP is read-only
+        data.check_writable_place(cfg.run_dir, "--run_dir")
+    except data.StorageRefused as e:
+        raise FlagError(str(e)) from None
     if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
         raise FlagError(
             f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
@@ -1695,7 +1702,15 @@ def check_tasks(tasks: str) -> None:
 # Either is one line naming the cause.
 USAGE = (FlagError, ckpt.ResumeRefused)
 
-STOPS = (ckpt.CheckpointError, ckpt.RunDirError, data.DataError, FloatingPointError, FileNotFoundError)
+STOPS = (
+    ckpt.CheckpointError,
+    ckpt.RunDirError,
+    data.DataError,
+    data.StorageError,
+    data.StorageUnavailable,
+    FloatingPointError,
+    FileNotFoundError,
+)
 
 
 def cli(argv: list[str]) -> int:

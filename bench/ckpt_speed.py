@@ -31,6 +31,7 @@ from google.cloud import storage  # noqa: E402
 from servers import gcs_emulator  # noqa: E402
 
 import ckpt  # noqa: E402
+import data  # noqa: E402
 import olmo3  # noqa: E402
 import shard  # noqa: E402
 import train  # noqa: E402
@@ -108,7 +109,7 @@ def main():
             print(f"\n{place}: {root}{said}")
             measure(root, model, state, cfg, args.repeats, nbytes)
             if root != args.dir:  # a temporary directory, or the emulator's memory
-                ckpt.remove_tree(root)
+                data.remove_tree(root)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ bench/reference.py reads OLMo-core's trained model against ours with `compare`.
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,10 +37,10 @@ def side(spec: str, attention: str = "reference"):
     engine, _, rest = spec.partition(":") if spec.startswith("transformers:") else ("ours", "", spec)
     path, _, dtype = rest.rpartition(":") if rest.endswith(":bf16") else (rest, "", "")
     if engine == "transformers":
-        return transformers_side(Path(path), dtype == "bf16")
+        return transformers_side(path, dtype == "bf16")
     mesh = shard.make_mesh(f"tensor={len(jax.devices())}")
     compute = Compute(dtype="bfloat16" if dtype else "float32", attention=attention)
-    return model_side(load(ckpt.run_path(path), compute, mesh), mesh)  # a run directory may be gs://
+    return model_side(load(path, compute, mesh), mesh)  # local or gs://
 
 
 def model_side(model: Olmo3, mesh):
@@ -66,9 +67,10 @@ def head(x, w):
 
 
 def load(path, compute: Compute, mesh) -> Olmo3:
-    """The weights of a Hugging Face directory, or of a run's newest valid checkpoint, straight onto the mesh."""
+    """The weights of a Hugging Face directory, or of a run's newest valid checkpoint (local or gs://),
+    straight onto the mesh."""
     place = lambda model: shard.abstract(model, shard.shardings(model, mesh))
-    if not (path / "checkpoints").is_dir():  # not a run directory: a Hugging Face one
+    if ckpt.format_of(path) != "run":  # a Hugging Face directory
         cfg = ckpt.read_hf_config(path)
         return ckpt.load_hf(path, shardings=shard.shardings(olmo3.abstract(cfg), mesh), compute=compute)
     ckpts = ckpt.Checkpoints(path, read_only=True)
@@ -81,20 +83,25 @@ def load(path, compute: Compute, mesh) -> Olmo3:
     return found[1].using(compute)
 
 
-def transformers_side(path: Path, bf16: bool):
-    """A Hugging Face directory read by transformers' Olmo3ForCausalLM, as one side (see side())."""
+def transformers_side(path: str, bf16: bool):
+    """A Hugging Face directory (local or gs://) read by transformers' Olmo3ForCausalLM, as one side (see
+    side()); transformers reads local files, so one in a bucket is copied to a temporary folder first."""
     import torch
     import transformers
     from transformers import Olmo3ForCausalLM
 
-    if not (path / "config.json").is_file():
+    if not data.exists(data.join(path, "config.json")):
         raise FileNotFoundError(
             f"{path}: transformers reads Hugging Face directories; export a run with "
             f"`python ckpt.py to-hf {path} OUT` first"
         )
     transformers.utils.logging.disable_progress_bar()
     dtype = torch.bfloat16 if bf16 else torch.float32
-    hf = Olmo3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").eval()
+    with tempfile.TemporaryDirectory() as local:
+        if data.is_url(path):
+            data.copy_tree(path, local)
+        folder = local if data.is_url(path) else path
+        hf = Olmo3ForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
 
     @torch.no_grad()
     def logits(tokens: np.ndarray, chunk: int):
