@@ -59,8 +59,9 @@ def gcs_server(proxy: "FaultProxy | None" = None):
         proxy.upstream = url
     # Started here, not by the wrapper's FakeGCSServer.start(): that pipes the server's log and never reads
     # it, so after some thousand requests the server blocks on a full pipe and every client waits on it.
-    # The URLs it hands out (a resumable upload's session) name the public address: those requests too go
-    # through the proxy.
+    # The links it writes in objects' metadata name -external-url (google-cloud-storage reads a blob it got
+    # from the server at its mediaLink), and a resumable upload's session URL names the Host of the request
+    # that began it (a proxy relays it): both the proxy's, so that those requests too go through it.
     args = ["-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-external-url", public]
     args += ["-public-host", public.removeprefix("http://"), "-backend", "memory", "-log-level", "error"]
     server = subprocess.Popen([str(_get_binary_path()), *args])
@@ -307,7 +308,8 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
             urllib.parse.urlsplit(self.server.upstream).netloc, timeout=60
         )
         try:
-            # The client's Host header, not the upstream's: S3 signs it, and fake-gcs-server's URLs name it.
+            # The client's Host header, not the upstream's: S3 signs it, and fake-gcs-server names it in the
+            # session URL of a resumable upload, the next requests of which must come here too.
             connection.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
             for name, value in self.headers.items():
                 if name.lower() not in HOP_BY_HOP:
