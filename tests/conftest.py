@@ -82,9 +82,10 @@ def gcs_behind_proxy():
 
 @pytest.fixture
 def gcs_proxy(gcs_behind_proxy):
-    """The FaultProxy in front of a Cloud Storage server, fair weather and an empty log at the start, and the
-    clients pointed at it (servers.gcs_clients) for this test alone: the environment gcs_emulator sets for the
-    session, where the other tests find their server. Returns the proxy (its url the server's)."""
+    """The FaultProxy in front of gcs_behind_proxy's server, in fair weather with an empty log, and the clients
+    pointed at it (servers.gcs_clients) for this test alone: the other tests of this process find
+    gcs_emulator's server through the same variables. A client the product caches keeps the address it was
+    made with. Returns the proxy; its url is the server's."""
     from servers import gcs_clients
 
     gcs_behind_proxy.clear()
