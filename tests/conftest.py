@@ -72,6 +72,29 @@ def gcs_emulator():
 
 
 @pytest.fixture(scope="session")
+def gcs_behind_proxy():
+    """A second Cloud Storage server for the session, behind a servers.FaultProxy (gcs_proxy's)."""
+    from servers import FaultProxy, gcs_server
+
+    with FaultProxy() as proxy, gcs_server(proxy):
+        yield proxy
+
+
+@pytest.fixture
+def gcs_proxy(gcs_behind_proxy):
+    """The FaultProxy in front of gcs_behind_proxy's server, in fair weather with an empty log, and the clients
+    pointed at it (servers.gcs_clients) for this test alone: the other tests of this process find
+    gcs_emulator's server through the same variables. A client the product caches keeps the address it was
+    made with. Returns the proxy; its url is the server's."""
+    from servers import gcs_clients
+
+    gcs_behind_proxy.clear()
+    with gcs_clients(gcs_behind_proxy.url):
+        yield gcs_behind_proxy
+    gcs_behind_proxy.clear()  # no outage left for the clients a test leaves behind
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """An S3 server on 127.0.0.1 for the session (servers.s3_server), one per process, as gcs_emulator. Returns
     a boto3 client of it."""
