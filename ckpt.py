@@ -81,6 +81,12 @@ def _unwritable(run_dir, e: OSError) -> RunDirError:
 COMMIT_MARKER = "commit_success.txt"  # Orbax's: a step directory without it is an unfinished write
 
 
+def check_run_place(path, flag: str) -> None:
+    """A run directory is local or gs://: Orbax writes no s3:// checkpoints (nor reads them without s3fs), and
+    http(s):// is read-only. Refused in one line naming the flag, before anything is read."""
+    data.check_writable(str(path), flag, schemes=("gs",))
+
+
 def _absolute(path) -> str:
     """A run directory's path as every process and Orbax take it: a URL as is, a local folder absolute."""
     return str(path).rstrip("/") if data.is_url(path) else os.path.abspath(path)
@@ -1222,7 +1228,7 @@ def check_run_start(run_dir, step: int | None, cfg: Olmo3Config, as_run, weights
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
         step, meta = ckpts.chosen(ckpts.read_meta, step)
-        where = ckpts.dir / str(step)
+        where = data.join(ckpts.dir, str(step))
         if diff := model_differences(as_run(config_from_hf(meta["model"], f"{where} meta")), cfg):
             raise ValueError(f"{where} holds another model than the run's: {diff} (checkpoint vs run)")
         if not weights_only and ckpts.saved_train_state(step) is None:
@@ -1784,7 +1790,7 @@ def save_hf(
     from safetensors import SafetensorError
 
     out = str(path).rstrip("/")
-    data.check_writable_place(out, "writing")
+    data.check_writable(out, "writing")
     if data.is_dir(out) and data.listing(out):
         raise FileExistsError(f"{out} exists and is not empty; choose a new output directory")
     folder = out if data.is_url(out) else f"{out}.tmp"
@@ -1808,7 +1814,7 @@ def export_hf(
     """Write the newest valid checkpoint of a run (or `step`) as an HF directory with its tokenizer (the
     run's, or `tokenizer`: dolma2, tiny, none or a tokenizer.json); returns its step. Reads the run only. An
     output nothing here can write (s3://, http://) is refused before the run is read."""
-    data.check_writable_place(str(out), "OUT")
+    data.check_writable(str(out), "OUT")
     ckpts = Checkpoints(run_dir, read_only=True)
     try:
         step, model = ckpts.chosen(ckpts.read_model, step)
@@ -2215,7 +2221,7 @@ def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]
     it, and train.py continues from it with Adam from zero (as AI2's stage 3 loads the average without optimizer
     state). Both models are held in host memory (fp32: 8 bytes a parameter), the mean taken a tensor at a time.
     Refused, before OUT is touched, if the two are not the same model. Returns the two steps."""
-    data.check_writable_place(str(out), "OUT")
+    check_run_place(out, "OUT")
     if _absolute(run_a) == _absolute(run_b):
         raise ValueError(f"{run_a} and {run_b} are one run: its average with itself is itself; name two runs")
     (step_a, a), (step_b, b) = newest_model(run_a), newest_model(run_b)
@@ -2364,6 +2370,9 @@ def main(argv: list[str]) -> int:
     data.set_patience(args.storage_patience)
     shard.quiet_libtpu()
     try:
+        for name in ("run_dir", "run_a", "run_b") + (("out",) if args.command == "average" else ()):
+            if hasattr(args, name):
+                check_run_place(getattr(args, name), name.upper())
         return run_command(args)
     except (OSError, ValueError, CorruptCheckpoint, RunDirError, data.StorageUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)  # the message names the path and the fix

@@ -169,7 +169,7 @@ def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
 
 URL_SCHEMES = ("gs", "s3", "http", "https")
 BUCKETS = ("gs", "s3")  # an object name follows the bucket, unquoted; an HTTP path is quoted
-WRITABLE = ("gs",)  # URLs a run directory or an output may be (Orbax writes no s3://; HTTP is read-only)
+WRITABLE = ("gs", "s3")  # URLs that can be written (HTTP is read-only)
 GCS_EXTRA = "pip install -e '.[gcs]'"
 S3_EXTRA = "pip install -e '.[s3]'"
 TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)  # statuses worth another try
@@ -236,14 +236,14 @@ def join(folder, *names: str) -> str:
     return "/".join([folder.rstrip("/"), *names]) if is_url(folder) else os.path.join(folder, *names)
 
 
-def check_writable_place(path: str, flag: str) -> None:
-    """Refuse, before anything is read, a URL that nothing here can write: s3:// (Orbax writes no s3
-    checkpoints) and http(s)://."""
+def check_writable(path: str, flag: str, schemes=WRITABLE) -> None:
+    """Refuse, before anything is read, a place of a scheme not in `schemes` (default: all but http(s)://,
+    which is read-only), naming the flag."""
     scheme = str(path).partition("://")[0] if is_url(path) else ""
-    if scheme and scheme not in WRITABLE:
+    if scheme and scheme not in schemes:
+        accepted = " or ".join(f"{s}://BUCKET/PATH" for s in schemes)
         raise StorageRefused(
-            f"{flag} {path}: {scheme}:// can be read but not written here; expected a local path or "
-            "gs://BUCKET/PATH"
+            f"{flag} {path}: {scheme}:// cannot be written here; expected a local path or {accepted}"
         )
 
 
@@ -603,6 +603,13 @@ def _s3_size(url: str) -> int | None:
         _reraise(e, url, "size")
 
 
+def _s3_call(url: str, what: str, method: str, **kwargs):
+    try:
+        return getattr(_s3(), method)(**kwargs)
+    except Exception as e:
+        _reraise(e, url, what)
+
+
 def _http_size(url: str) -> int | None:
     """Content-Length of an HTTP HEAD; None on a 404."""
     try:
@@ -728,7 +735,6 @@ def write_file(path: str, contents: bytes | str | np.ndarray) -> None:
         with _atomic(path) as f:
             f.write(memoryview(body))
         return
-    check_writable_place(path, "writing")
     body = body if isinstance(body, bytes) else body.tobytes()
     root, key = split_url(path)
     try:  # TensorStore: its upload of a large file (a 2.9 GB permutation) is its own, retried as above
@@ -809,7 +815,12 @@ def remove(path: str, generation: int | None = None) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
         return
-    check_writable_place(path, "removing")
+    if path.startswith("s3://"):
+        _, bucket, key = _bucket_key(path)
+        patiently(
+            "removing", path, lambda: _s3_call(path, "removing", "delete_object", Bucket=bucket, Key=key)
+        )
+        return
     from google.api_core.exceptions import NotFound, PreconditionFailed
 
     def delete():
@@ -833,7 +844,6 @@ def append(path: str, text: str) -> None:
         with open(path, "a") as f:
             f.write(text)
         return
-    check_writable_place(path, "appending to")
     body = text.encode()
     while True:
         whole = _gcs_stat(path)
@@ -883,7 +893,6 @@ def copy_tree(source: str, target: str, last: str | None = None) -> None:
     """Copy every file under folder `source` to folder `target` (either local or gs://), keeping their relative
     paths; the file named `last` (a commit marker) copied after all the others, so that a copy cut short is
     never taken for a whole one. Within a bucket the server copies; otherwise the bytes pass through here."""
-    check_writable_place(target, "copying to")
     names = sorted(listing(source), key=lambda name: name == last)
     for name in names:
         _copy_file(join(source, name), join(target, name))

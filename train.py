@@ -1622,8 +1622,8 @@ def check_flags(cfg: TrainConfig) -> None:
     """Refuse what no single field can, before anything is compiled or written: FlagError names the flags,
     the values and what would be accepted. (What needs the devices or the data is refused where they are
     first known: start_devices, microbatches, set_up.)"""
-    try:  # gs:// or local: Orbax writes no s3://, and HTTP is read-only
-        data.check_writable_place(cfg.run_dir, "--run_dir")
+    try:
+        ckpt.check_run_place(cfg.run_dir, "--run_dir")
     except data.StorageRefused as e:
         raise FlagError(str(e)) from None
     if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:

@@ -61,37 +61,31 @@ def tiny_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def gcs_emulator():
-    """A Cloud Storage server on 127.0.0.1 for the session (servers.gcs_emulator), one per process: the clients
-    keep its address once they have used it. Returns a storage client of it."""
-    from google.cloud import storage
-    from servers import gcs_emulator
+def gcs_behind_proxy():
+    """A Cloud Storage server on 127.0.0.1 for the session, behind a servers.FaultProxy (in fair weather it
+    only relays), and the clients pointed at the proxy (servers.gcs_emulator), one per process: every storage
+    test of the process talks to the one server, whether it injects faults or not. Returns the proxy."""
+    from servers import FaultProxy, gcs_emulator
 
-    with gcs_emulator():
-        yield storage.Client()
+    with FaultProxy() as proxy, gcs_emulator(proxy):
+        yield proxy
 
 
 @pytest.fixture(scope="session")
-def gcs_behind_proxy():
-    """A second Cloud Storage server for the session, behind a servers.FaultProxy (gcs_proxy's)."""
-    from servers import FaultProxy, gcs_server
+def gcs_emulator(gcs_behind_proxy):
+    """The session's Cloud Storage server (gcs_behind_proxy). Returns a storage client of it."""
+    from google.cloud import storage
 
-    with FaultProxy() as proxy, gcs_server(proxy):
-        yield proxy
+    return storage.Client()
 
 
 @pytest.fixture
 def gcs_proxy(gcs_behind_proxy):
-    """The FaultProxy in front of gcs_behind_proxy's server, in fair weather with an empty log, and the clients
-    pointed at it (servers.gcs_clients) for this test alone: the other tests of this process find
-    gcs_emulator's server through the same variables. A client the product caches keeps the address it was
-    made with. Returns the proxy; its url is the server's."""
-    from servers import gcs_clients
-
+    """The FaultProxy in front of the session's Cloud Storage server, in fair weather with an empty log before
+    the test and after it (no outage left for the clients a test leaves behind). Its url is the server's."""
     gcs_behind_proxy.clear()
-    with gcs_clients(gcs_behind_proxy.url):
-        yield gcs_behind_proxy
-    gcs_behind_proxy.clear()  # no outage left for the clients a test leaves behind
+    yield gcs_behind_proxy
+    gcs_behind_proxy.clear()
 
 
 @pytest.fixture(scope="session")

@@ -382,15 +382,18 @@ def test_save_hf_never_leaves_a_complete_looking_directory(tmp_path, monkeypatch
         ckpt.save_hf(model, tmp_path / "taken")
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
 
-    import safetensors.numpy
+    written, write_file = [], data.write_file
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def disk_full(path, body):  # the first file fits; the disk fills on the second
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        write_file(path, body)
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    monkeypatch.setattr(data, "write_file", disk_full)
     with pytest.raises(OSError, match="No space"):
         ckpt.save_hf(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert written and not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
 # ---- the command line: list, to-hf, from-hf

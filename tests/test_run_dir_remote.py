@@ -21,6 +21,7 @@ import pytest
 from commands import train_py
 
 import ckpt
+import data
 import olmo3
 import train
 
@@ -42,7 +43,7 @@ def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=T
 
 
 def rows(run_dir) -> list[dict]:
-    text = (ckpt.run_path(run_dir) / "metrics.jsonl").read_text()
+    text = data.read_text(data.join(run_dir, "metrics.jsonl"))
     return [json.loads(line) for line in text.splitlines()]
 
 
@@ -122,15 +123,15 @@ def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_c
     # A flipped bit in the newest checkpoint: found by its checksums, copied to quarantined/ (an object store
     # renames nothing), the one before it resumed from, and the end is the same.
     flipped = max(bucket.list_blobs(prefix=f"runs/tiny/checkpoints/{STEPS}/train/"), key=lambda b: b.size)
-    data = bytearray(flipped.download_as_bytes())
-    data[len(data) // 2] ^= 0x40
-    flipped.upload_from_string(bytes(data))
+    raw = bytearray(flipped.download_as_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    flipped.upload_from_string(bytes(raw))
     out = run(url, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "is corrupt" in out.stderr and "(step 9)" in out.stdout
     quarantined = names_under(bucket, "runs/tiny/quarantined/")
     assert any(n.endswith("/commit_success.txt") for n in quarantined)
-    assert "checkpoint 12 is corrupt" in (ckpt.run_path(url) / "log.txt").read_text()
+    assert "checkpoint 12 is corrupt" in data.read_text(f"{url}/log.txt")
     assert_same_as_reference(url, reference)
     steps = {n.split("/")[0] for n in names_under(bucket, "runs/tiny/checkpoints/") if n.count("/") == 1}
     assert steps == {"9", "12"}  # --keep_last 2: the older steps removed from the bucket
@@ -231,7 +232,7 @@ def test_a_checkpoint_without_its_commit_marker_is_never_read_and_a_writer_remov
         saver.close()
     bucket.blob("run/checkpoints/2/commit_success.txt").delete()
     assert [r["step"] for r in ckpt.list_checkpoints(url)] == [1]
-    assert ckpt.unfinished_writes(ckpt.run_path(url) / "checkpoints") == ["2"]
+    assert ckpt.unfinished_writes(f"{url}/checkpoints") == ["2"]
     like = ckpt.on_first_device(olmo3.abstract(cfg))
     reader = ckpt.Checkpoints(url, read_only=True)
     assert reader.restore_latest(like)[0] == 1
