@@ -873,7 +873,8 @@ def _unreadable(step_dir: str, what: str, e: Exception) -> Exception:
         return data.StorageUnavailable(
             f"{step_dir}: its {what} got no answer but transient ones within --storage_patience "
             f"{data.PATIENCE_S:g} s (the last: {answer}); stopped with the checkpoint where it is: run again once "
-            "the storage answers"
+            "the storage answers",
+            answer,
         )
     if why := data.refusal(e):
         return data.StorageRefused(f"{step_dir}: reading its {what} was refused ({why})")
@@ -999,7 +1000,8 @@ class Checkpoints:
         ):  # the storage is out: its log too, and the next start cleans up
             raise data.StorageUnavailable(
                 f"saving checkpoint {step} to {where}: no answer but transient ones within --storage_patience "
-                f"{data.PATIENCE_S:g} s (the last: {answer}); stopped, the checkpoints before it as they were"
+                f"{data.PATIENCE_S:g} s (the last: {answer}); stopped, the checkpoints before it as they were",
+                answer,
             ) from e
         self._log(f"saving checkpoint {step} failed", e)
         if jax.process_index() == 0:

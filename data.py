@@ -29,10 +29,10 @@ import fnmatch
 import functools
 import glob
 import hashlib
+import http
 import importlib.util
 import itertools
 import json
-import math
 import os
 import queue
 import random
@@ -187,7 +187,12 @@ class StorageError(OSError):
 
 class StorageUnavailable(Exception):
     """No answer but transient ones for the whole patience: the storage is out, nothing is damaged. Not an
-    OSError, so that no code taking an OSError for a read-only place or damaged bytes mistakes it for one."""
+    OSError, so that no code taking an OSError for a read-only place or damaged bytes mistakes it for one.
+    `answer`: the last one, in a few words."""
+
+    def __init__(self, message: str, answer: str = ""):
+        super().__init__(message)
+        self.answer = answer
 
 
 class StorageRefused(StorageError):
@@ -260,14 +265,28 @@ def _chain(e: BaseException):
 
 
 def _status(e: BaseException) -> int | None:
-    """The HTTP status an error carries, whichever client raised it."""
+    """The HTTP status an error carries, whichever client raised it (TensorStore's in its message)."""
     for name in ("code", "status", "status_code"):
         if isinstance(value := getattr(e, name, None), int) and 100 <= value < 600:
             return value
     response = getattr(e, "response", None)
     if isinstance(response, dict):  # botocore's ClientError
         return response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return getattr(response, "status_code", None)
+    if response is not None:
+        return getattr(response, "status_code", None)
+    code = re.search(r"http_response_code='(\d+)'", str(e)) if isinstance(e, ValueError) else None
+    return int(code[1]) if code else None
+
+
+def _answer(e: BaseException) -> str:
+    """An error as the answer a user reads: "503 Service Unavailable", "ConnectionResetError: ..."."""
+    if status := _status(e):
+        return (
+            f"{status} {http.HTTPStatus(status).phrase}"
+            if status in http.HTTPStatus._value2member_map_
+            else str(status)
+        )
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 # Errors that mean the request never got its answer (a reset, a refused or dropped connection, a timeout), by
@@ -288,7 +307,8 @@ CONNECTION_ERRORS = {
     "ReadTimeoutError",
     "ConnectTimeoutError",
 }
-# TensorStore's errors are ValueErrors whose message starts with the absl status; these are the weather.
+# TensorStore's errors are ValueErrors whose message starts with the absl status; these are the weather (a
+# request whose retries were spent on a transient status says so in its http_response_code: _status).
 TENSORSTORE_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 
 
@@ -297,17 +317,14 @@ def transient_answer(e: BaseException) -> str | None:
     later try may not meet; None where it is not (a 404, a 403, bad bytes)."""
     for link in _chain(e):
         if isinstance(link, StorageUnavailable):
-            return str(link)
+            return link.answer or str(link)
         status = _status(link)
         names = {kind.__name__ for kind in type(link).__mro__}
-        if status in TRANSIENT_HTTP or (status is None and names & CONNECTION_ERRORS):
-            return (
-                f"{status} {type(link).__name__}" if status else f"{type(link).__name__}: {_first_line(link)}"
-            )
+        tensorstore = isinstance(link, ValueError) and str(link).startswith(TENSORSTORE_TRANSIENT)
+        if status in TRANSIENT_HTTP or (status is None and (names & CONNECTION_ERRORS or tensorstore)):
+            return _answer(link)
         if isinstance(link, urllib.error.URLError) and isinstance(link.reason, OSError):
-            return f"{type(link.reason).__name__}: {link.reason}"
-        if isinstance(link, ValueError) and str(link).startswith(TENSORSTORE_TRANSIENT):
-            return _first_line(link)
+            return _answer(link.reason)
     return None
 
 
@@ -315,12 +332,14 @@ def refusal(e: BaseException) -> str | None:
     """The refusal (401, 403, TensorStore's PERMISSION_DENIED) in error `e`'s chain, in a few words, or None."""
     for link in _chain(e):
         if _status(link) in REFUSED_HTTP or str(link).startswith(("PERMISSION_DENIED", "UNAUTHENTICATED")):
-            return f"{_status(link) or ''} {_first_line(link)}".strip()
+            return _answer(link)
     return None
 
 
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    """An error's first line, without the bodies of answers TensorStore appends ([http_response_body=...])."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r" ?\[\w+='.*?'\]", "", line)[:200]
 
 
 class _Patience:
@@ -339,7 +358,8 @@ class _Patience:
             raise StorageUnavailable(
                 f"{self.url}: {self.what} got no answer but transient ones for {waited:.0f} s (the last: "
                 f"{answer}); stopped after --storage_patience {PATIENCE_S:g} s with nothing lost: run again "
-                "once the storage answers"
+                "once the storage answers",
+                answer,
             ) from e
         if waited >= SAY_AFTER_S and not self.said:
             self.said = True
@@ -368,7 +388,9 @@ def patiently(what: str, url: str, request: Callable):
 def tensorstore_retries() -> dict:
     """TensorStore's own retries of a request (it doubles its pause from 1 s to 32 s), as long in all as the
     patience: the same policy for the bytes it moves, Orbax's arrays included."""
-    tries = 5 + math.ceil(max(PATIENCE_S - 31, 0) / 32)
+    tries, waited, pause = 0, 0.0, 1.0
+    while waited < PATIENCE_S:
+        tries, waited, pause = tries + 1, waited + pause, min(2 * pause, 32.0)
     return {"max_retries": tries, "initial_delay": "1s", "max_delay": "32s"}
 
 
@@ -446,6 +468,12 @@ def _blob(url: str):
     return _gcs().bucket(bucket).blob(key)
 
 
+def _gs_url(api_url: str) -> str:
+    """gs://BUCKET/NAME for a request of GCS's JSON API on an object (else the request's URL as it is)."""
+    found = re.search(r"/b/([^/?]+)/o/([^/?]+)", api_url)
+    return f"gs://{found[1]}/{urllib.parse.unquote(found[2])}" if found else api_url
+
+
 def for_orbax(path: str) -> str:
     """`path` as Orbax is told it. A gs:// path's files (step folders, its JSON items, commit markers, listings)
     Orbax reaches through etils.epath and gcsfs: the patient gcsfs below is registered for it, with listings
@@ -468,7 +496,7 @@ def _register_patient_gcsfs() -> None:
 
         async def _request(self, method, path, *args, **kwargs):
             once = gcsfs.GCSFileSystem._request.__wrapped__  # one try: gcsfs's retry_request unwrapped
-            patience = _Patience(f"{method} (Orbax, through gcsfs)", self._format_path(path, args))
+            patience = _Patience(f"{method} (Orbax, through gcsfs)", _gs_url(self._format_path(path, args)))
             while True:
                 try:
                     return await once(self, method, path, *args, **kwargs)
@@ -523,7 +551,8 @@ def _tensorstore_value(future, path: str, start: int, stop: int) -> bytes:
         if answer := transient_answer(e):
             raise StorageUnavailable(
                 f"{path}: reading bytes {start}..{stop} got no answer but transient ones within "
-                f"--storage_patience {PATIENCE_S:g} s (the last: {answer}); stopped with nothing lost"
+                f"--storage_patience {PATIENCE_S:g} s (the last: {answer}); stopped with nothing lost",
+                answer,
             ) from e
         raise DataError(f"{path}: reading bytes {start}..{stop} failed: {e}") from e
     if result.state == "missing":
@@ -741,7 +770,11 @@ def write_file(path: str, contents: bytes | str | np.ndarray) -> None:
         _store(root).write(key, body).result()
     except ValueError as e:
         if answer := transient_answer(e):
-            raise StorageUnavailable(f"{path}: writing got no answer within the patience ({answer})") from e
+            raise StorageUnavailable(
+                f"{path}: writing got no answer but transient ones within --storage_patience {PATIENCE_S:g} s "
+                f"(the last: {answer}); stopped with nothing lost",
+                answer,
+            ) from e
         _reraise(e, path, "writing")
 
 
@@ -856,26 +889,37 @@ def append(path: str, text: str) -> None:
 
 
 def _compose_at(whole, url: str, body: bytes) -> bool:
-    """Compose `body` onto `whole` at the generation read; False where another writer got there first."""
-    part = _blob(f"{url}.part-{uuid.uuid4().hex[:12]}")
-    _upload_at(part, url, body, generation=0)
+    """Compose `body` onto `whole` at the generation read; False where another writer got there first. A try
+    whose answer was lost may have landed: before trying again, and where the precondition fails, the object
+    is looked at, and it holds `body` at its end, just past what was read, only if a try landed (one writer
+    holds the run directory's lock)."""
     from google.api_core.exceptions import NotFound, PreconditionFailed
 
+    part = _blob(f"{url}.part-{uuid.uuid4().hex[:12]}")
+    _upload_at(part, url, body, generation=0)
+
+    def landed() -> bool:
+        now = _gcs_stat(url)
+        if now is None or now.size != whole.size + len(body):
+            return False
+        return next(read_ranges([(url, whole.size, now.size)])) == body
+
+    tried = []
+
     def compose():
+        if tried and landed():
+            return True
+        tried.append(True)
         try:
             whole.compose([whole, part], if_generation_match=whole.generation, retry=None)
             return True
         except (PreconditionFailed, NotFound):
-            return False
+            return landed()
         except Exception as e:
             _reraise(e, url, "appending to")
 
     try:
-        if patiently("appending to", url, compose):
-            return True
-        now = _gcs_stat(url)
-        landed = now is not None and now.size == whole.size + len(body)
-        return landed and next(read_ranges([(url, whole.size, now.size)])) == body
+        return patiently("appending to", url, compose)
     finally:
         remove(f"gs://{part.bucket.name}/{part.name}")
 

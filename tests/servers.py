@@ -223,8 +223,8 @@ class FaultProxy(http.server.ThreadingHTTPServer):
 
     def fail(self, match, times: int = 1, how="503"):
         """Answer the next `times` requests for which match(method, path, body) holds with `how` instead of
-        forwarding them: a status (503, "429", 500, ...) with a GCS-like JSON error, or "reset" (the
-        connection reset, no answer)."""
+        forwarding them: a status (503, "429", 500, ...) with a GCS-like JSON error, "reset" (the connection
+        reset, no answer), or "lost" (forwarded, then reset: done, but the client never hears so)."""
         with self.lock:
             self.rules.append([match, times, fault(how)])
 
@@ -264,10 +264,13 @@ class FaultProxy(http.server.ThreadingHTTPServer):
 
 
 def fault(how) -> int | str:
-    """fail's and outage's `how`: "reset", or an HTTP error status (429, "503", ...)."""
-    if how == "reset" or str(how).isdigit() and 400 <= int(how) < 600:
-        return how if how == "reset" else int(how)
-    raise ValueError(f"FaultProxy: how={how!r}; expected an HTTP error status (429, 503, ...) or 'reset'")
+    """fail's and outage's `how`: "reset", "lost" (forwarded, then the connection reset: the request done, its
+    answer never seen), or an HTTP error status (429, "503", ...)."""
+    if how in ("reset", "lost") or str(how).isdigit() and 400 <= int(how) < 600:
+        return how if how in ("reset", "lost") else int(how)
+    raise ValueError(
+        f"FaultProxy: how={how!r}; expected an HTTP error status (429, 503, ...), 'reset' or 'lost'"
+    )
 
 
 class ProxyHandler(http.server.BaseHTTPRequestHandler):
@@ -284,7 +287,9 @@ class ProxyHandler(http.server.BaseHTTPRequestHandler):
         )
         body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         status = self.server.weather(self.command, self.path, body)
-        if status == "reset":
+        if status in ("reset", "lost"):
+            if status == "lost":  # the request done, its answer lost: a retry of it must not do it twice
+                self.upstream(body)
             self.record(status)
             # An RST, not a FIN: the client reads "connection reset by peer", as when a load balancer drops it.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
