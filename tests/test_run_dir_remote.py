@@ -8,16 +8,21 @@ rename); and the --profile trace, which XProf and Perfetto read."""
 import gzip
 import json
 import os
+import re
 import signal
 import socket
 import sys
+import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
+import servers
 from commands import train_py
 
 import ckpt
@@ -33,13 +38,13 @@ FLAGS += ["--samples", "0"]
 COMPARED = ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipped")
 
 
-def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=True):
+def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=True, env=None):
     """train.py (tests/commands.py's train_py), or with no_dir_renames through tests/gcsfuse.py, which refuses
-    directory renames under run_dir; wait=False: started, not waited for (a Popen)."""
+    directory renames under run_dir; wait=False: started, not waited for (a Popen); `env`: variables added."""
     argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
     if no_dir_renames:
         return train_py(argv, fault, script="gcsfuse.py", env=dict(os.environ, NO_DIR_RENAMES=str(run_dir)))
-    return train_py(argv, fault, wait=wait)
+    return train_py(argv, fault, wait=wait, env=env and dict(os.environ, **env))
 
 
 def rows(run_dir) -> list[dict]:
@@ -240,3 +245,186 @@ def test_a_checkpoint_without_its_commit_marker_is_never_read_and_a_writer_remov
     with ckpt.RunLock(url):
         ckpt.Checkpoints(url).close()  # a writer starting removes the unfinished write
     assert not names_under(bucket, "run/checkpoints/2/")
+
+
+# ---- A bucket's weather: every request through the one storage layer's policy, behind the tests' FaultProxy
+
+
+def in_bucket(bucket, tiny_data) -> list[str]:
+    """The tiny corpus copied into the bucket, and the flags that train on it there (instead of --data tiny):
+    the same files in the same order, so the same batches."""
+    for f in [*(tiny_data / "train").glob("*.npy"), *(tiny_data / "val").glob("*.npy")]:
+        bucket.blob(f"corpus/{f.parent.name}/{f.name}").upload_from_filename(f)
+    corpus = f"gs://{bucket.name}/corpus"
+    return ["--data", f"{corpus}/train/*.npy", "--eval_data", f"tiny-val={corpus}/val/*.npy"]
+
+
+def under_checkpoints(method, path, body) -> bool:
+    """A request (of any kind) on a checkpoint's objects."""
+    return "checkpoints/" in urllib.parse.unquote(path) + urllib.parse.unquote(body[:2048].decode("latin-1"))
+
+
+def checkpoint_write(method, path, body) -> bool:
+    return method in ("POST", "PUT") and path.startswith("/upload/") and under_checkpoints(method, path, body)
+
+
+def outage_after(proxy, match, seconds: float) -> None:
+    """An outage of `seconds`, begun once a request that `match` holds for has been let through."""
+
+    def start(method, path, body):
+        if match(method, path, body):
+            threading.Thread(target=proxy.outage, args=(seconds,)).start()
+        return False  # (this rule never answers a request itself)
+
+    proxy.fail(start, times=1)
+
+
+def marker(step: int):
+    """The upload of checkpoint `step`'s commit marker."""
+    name = f"checkpoints/{step}/commit_success.txt"
+    return lambda method, path, body: method in ("POST", "PUT") and name in urllib.parse.unquote(path)
+
+
+@pytest.mark.slow
+def test_a_run_rides_out_a_503_a_reset_and_a_lost_answer_on_every_kind_of_request_and_a_short_outage_bitwise(
+    tiny_data, reference, bucket, gcs_proxy
+):
+    """Each kind of request a run makes of a bucket (the lock, the metrics' appends, the run files, the
+    checkpoints' writes, listings, metadata and deletes, the data's reads) is answered once 503, once by a
+    reset and once with its answer lost after it was done; and the bucket is out for 3 s after checkpoint 6.
+    The run rides it all out and is the uninterrupted local run bit for bit, each metrics row once."""
+    url = f"gs://{bucket.name}/weather"
+    kinds = {
+        "lock": servers.CREATE_IF_ABSENT,
+        "append": servers.COMPOSE,
+        "run file": servers.upload("weather/config.json"),
+        "checkpoint write": checkpoint_write,
+        "listing": servers.LIST,
+        "read": servers.READ,
+        "metadata": servers.METADATA,
+        "delete": servers.DELETE,
+    }
+    for match in kinds.values():
+        for how in ("503", "reset", "lost"):
+            gcs_proxy.fail(match, times=1, how=how)
+    outage_after(gcs_proxy, marker(6), seconds=3)
+    out = run(url, tiny_data, *in_bucket(bucket, tiny_data))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [rule[1] for rule in gcs_proxy.rules[: 3 * len(kinds)]] == [0] * 3 * len(kinds)  # each one met
+    assert sum(status == 503 for *_, status in gcs_proxy.log) > len(kinds)  # the outage's too
+    assert_same_as_reference(url, reference)
+
+
+@pytest.mark.slow
+def test_an_outage_longer_than_the_patience_stops_in_one_line_and_the_rerun_loses_nothing(
+    tiny_data, reference, bucket, gcs_proxy, tmp_path
+):
+    """The bucket out past --storage_patience (3 s here) while step 8 runs: the run stops (exit 1) in one line
+    naming a gs:// URL, the last answer and how long it tried, no traceback; nothing committed is touched,
+    nothing set aside; run again once the bucket answers, it resumes from checkpoint 6, bit for bit."""
+    url, go = f"gs://{bucket.name}/outage", tmp_path / "go"
+    proc = run(
+        url, tiny_data, "--storage_patience", "3", fault="hold:7", wait=False, env={"FAULT_GO": str(go)}
+    )
+    deadline = time.time() + 300
+    while not bucket.blob("outage/checkpoints/6/commit_success.txt").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    with gcs_proxy.outage():
+        go.touch()
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.search(
+        r"gs://\S+: .*no answer but transient ones .*503 Service Unavailable.*storage_patience 3", said[0]
+    )
+    assert [r["step"] for r in ckpt.list_checkpoints(url)] == [3, 6]
+    assert not names_under(bucket, "outage/quarantined/")
+    out = run(url, tiny_data)
+    assert out.returncode == 0 and "(step 6)" in out.stdout, out.stderr[-3000:]
+    assert_same_as_reference(url, reference)
+
+
+def two_checkpoints(url: str) -> list:
+    """Steps 1 and 2 of the tiny model (weights only, as `ckpt.py from-hf` writes them) in a run directory:
+    their arrays."""
+    cfg = train.model_config(train.PRESETS["tiny"])
+    models = [olmo3.Olmo3(cfg, key=jax.random.key(k)) for k in (1, 2)]
+    with ckpt.RunLock(url):
+        saver = ckpt.Checkpoints(url)
+        for step, model in enumerate(models, 1):
+            saver.save(step, model, None, {"model": ckpt.config_to_hf(cfg)})
+        saver.close()
+    return [jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in models]
+
+
+def test_503s_throughout_a_restore_set_nothing_aside_and_roll_nothing_back(bucket, gcs_proxy, tiny_data):
+    """Every read of a checkpoint's objects (their listing aside) answered 503 while a run restores: it stops in
+    one line naming the checkpoint's object and the outage; it moves nothing to quarantined/ and never falls back to the older one.
+    Once the bucket answers, the run resumes from the newest."""
+    url = f"gs://{bucket.name}/restore"
+    two_checkpoints(url)
+    read = lambda m, p, b: (servers.READ(m, p, b) or servers.METADATA(m, p, b)) and under_checkpoints(m, p, b)
+    gcs_proxy.fail(read, times=10**6, how="503")
+    out = run(url, tiny_data, "--steps", "2", "--storage_patience", "2")
+    assert out.returncode == 1, out.stderr[-3000:]
+    said = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and said[0].startswith(f"error: {url}/checkpoints/"), out.stderr[-3000:]
+    assert "no answer but transient ones" in said[0] and "503 Service Unavailable" in said[0]
+    assert "Traceback" not in out.stderr and "resuming" not in out.stdout
+    gcs_proxy.clear()
+    assert not names_under(bucket, "restore/quarantined/")
+    assert [r["step"] for r in ckpt.list_checkpoints(url)] == [1, 2]
+    out = run(url, tiny_data, "--steps", "2")
+    assert out.returncode == 0 and "run already complete: step 2" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_read_only_account_reads_a_finished_run_and_scores_it_without_a_write(
+    reference, bucket, gcs_proxy, tiny_data
+):
+    """An account that may only read (403 on every write): a finished run in its bucket is read without a
+    write, as on a read-only mount, and --eval_only prints its table, with one line saying the row could not be
+    recorded. Only the probes that learn so are refused; nothing is written."""
+    url = f"gs://{bucket.name}/finished"
+    data.copy_tree(str(reference), url)
+    before = data.read_text(f"{url}/metrics.jsonl")
+    gcs_proxy.clear()
+    gcs_proxy.read_only()
+    out = run(url, tiny_data)
+    assert out.returncode == 0 and f"run already complete: step {STEPS}" in out.stdout, out.stderr[-3000:]
+    out = run(url, tiny_data, "--eval_only")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out evaluation" in out.stdout and "--eval_only: could not add this evaluation" in out.stdout
+    writes = [entry for entry in gcs_proxy.log if entry[0] in servers.WRITES]
+    assert writes and all(status == 403 for *_, status in writes)
+    gcs_proxy.read_only(False)
+    assert data.read_text(f"{url}/metrics.jsonl") == before and "lock" not in names_under(bucket, "finished/")
+
+
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_restore_quarantined_moves_a_checkpoint_set_aside_back(where, bucket, tmp_path):
+    """A checkpoint whose bytes read back wrong once is set aside; when the fault was the storage's (its
+    copy is sound), `ckpt.py restore-quarantined` moves it back, commit marker last, and it is read again."""
+    url = f"gs://{bucket.name}/q" if where == "gs" else str(tmp_path / "q")
+    saved = two_checkpoints(url)
+    model_files = data.listing(f"{url}/checkpoints/2/model")
+    file = f"{url}/checkpoints/2/model/" + max(
+        model_files, key=lambda f: data.file_size(f"{url}/checkpoints/2/model/{f}")
+    )
+    sound = data.read_bytes(file)
+    data.write_file(file, sound[:100] + bytes([sound[100] ^ 0x40]) + sound[101:])
+    like = ckpt.on_first_device(olmo3.abstract(train.model_config(train.PRESETS["tiny"])))
+    reader = ckpt.Checkpoints(url)
+    assert reader.restore_latest(like)[0] == 1  # 2 set aside
+    reader.close()
+    [aside] = ckpt.quarantined_steps(url)
+    data.write_file(file.replace("/checkpoints/2/", f"/quarantined/{aside}/"), sound)  # it was the storage
+    assert ckpt.main(["restore-quarantined", url]) == 0
+    assert ckpt.quarantined_steps(url) == [] and ckpt.main(["restore-quarantined", url, "2"]) == 1
+    reader = ckpt.Checkpoints(url, read_only=True)
+    step, model, _, _ = reader.restore_latest(like)
+    reader.close()
+    assert step == 2
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), saved[1], strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
