@@ -904,7 +904,7 @@ class Checkpoints:
             raise FileNotFoundError(f"{self.dir} does not exist: is {run_dir} a run directory?")
         # Fail at the start, not at the first save an hour later; but a finished run on a read-only mount is
         # read without a write (the first save, if the run gets that far, is refused).
-        self.cannot_write = None if read_only else data.unwritable(self.dir)
+        self.cannot_write = None if read_only else data.unwritable(self.run_dir)
         if self.cannot_write and not data.is_dir(self.dir):
             raise RunDirError(f"run directory {self.run_dir}: cannot create {self.dir} ({self.cannot_write})")
         self.read_only = read_only or self.cannot_write is not None
@@ -923,6 +923,7 @@ class Checkpoints:
             ocp.CheckpointManagerOptions(read_only=True, atomicity_options=COMMIT)
             if self.read_only
             else ocp.CheckpointManagerOptions(
+                create=False,  # checkpoints/ made by the first save: a run that stops before leaves none
                 max_to_keep=keep_last,
                 keep_period=keep_every or None,
                 enable_async_checkpointing=True,
@@ -1037,14 +1038,6 @@ class Checkpoints:
             print(f"also: {e}", file=sys.stderr)
         finally:
             self.manager.close()
-            self._drop_if_empty()
-
-    def _drop_if_empty(self) -> None:
-        """A run that stopped before its first save leaves no empty checkpoints/ (which would look like a run
-        directory to --init_from and `list`); a bucket has no empty folders."""
-        local = not self.read_only and not data.is_url(self.dir) and jax.process_index() == 0
-        if local and os.path.isdir(self.dir) and not os.listdir(self.dir):
-            os.rmdir(self.dir)
 
     def _log(self, what: str, e: BaseException) -> None:
         """The full story of a failure, which the one-line message summarises, in RUN_DIR/log.txt."""

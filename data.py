@@ -725,11 +725,11 @@ def _glob(pattern: str, flag: str) -> list[str]:
 
 
 def expand(patterns: list[str], flag: str) -> list[str]:
-    """Each path as given, a glob as the sorted files it matches (an http(s) URL is never a glob: its ? starts
-    a query); a glob matching nothing is refused."""
+    """Each path as given, a glob as the sorted files it matches (in an http(s) URL ? starts a query, and *
+    or [ a glob, which a server cannot list: refused); a glob matching nothing is refused."""
     found = []
     for pattern in patterns:
-        is_glob = not pattern.startswith("http") and any(c in pattern for c in "*?[")
+        is_glob = any(c in pattern for c in ("*[" if pattern.startswith("http") else "*?["))
         matches = _glob(pattern, flag) if is_glob else [pattern]
         if not matches:
             raise DataError(f"{flag}: {pattern!r} matches no file")

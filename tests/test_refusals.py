@@ -13,10 +13,11 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import pytest
-from commands import ckpt_py
+from commands import ckpt_py, train_py
 from damage import flip_byte
 
 import ckpt
+import data
 import olmo3
 import train
 
@@ -213,3 +214,48 @@ def test_eval_only_given_checkpoints_and_other_weights_is_refused_as_ambiguous(
     assert err.startswith(f"error: --eval_only --init_from {tmp_path / 'hf'}: --run_dir {four_steps} holds ")
     assert "ambiguous" in err and err.count("\n") == 1
     assert {p: p.read_bytes() for p in four_steps.rglob("*") if p.is_file()} == before
+
+
+def test_a_damaged_init_from_step_stops_in_one_line_and_leaves_no_checkpoints_folder(
+    four_steps, tiny_data, tmp_path
+):
+    """The sweep's case: --init_from RUN@STEP whose arrays fail their checksums (its metadata reads, so the
+    start is accepted) stops when it is read, naming it, and the new run directory keeps no empty checkpoints/
+    (which would make it look like a run to --init_from and `list`)."""
+    source = tmp_path / "source"
+    shutil.copytree(four_steps, source)
+    flip_byte(source / "checkpoints" / "4")
+    new = tmp_path / "new"
+    argv = [*FLAGS, "--steps", "6", "--data_root", str(tiny_data), "--run_dir", str(new)]
+    out = train_py([*argv, "--init_from", f"{source}@4"])
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr.startswith(f"error: --init_from {source}@4: ") and "checksum mismatch" in out.stderr
+    assert not (new / "checkpoints").exists()
+
+
+def test_the_sweeps_smaller_storage_cases_each_get_their_line(tmp_path, tiny_data):
+    """An http(s):// glob names why it cannot be one; a mix file named by --data is looked for under
+    --data_root too, and where it is missing both places are named."""
+    with pytest.raises(data.DataError, match="an HTTP server lists no files to glob"):
+        data.expand(["http://host/data/*.npy"], "--data")
+    mix = tmp_path / "mixes" / "mix.txt"
+    mix.parent.mkdir()
+    mix.write_text(f"tiny,{tiny_data / 'train' / 'part-00000.npy'}\n")
+    assert data.resolve("mixes/mix.txt", str(tmp_path))[0] == [str(tiny_data / "train" / "part-00000.npy")]
+    with pytest.raises(FileNotFoundError, match=f"looked for mixes/gone.txt and {tmp_path}/mixes/gone.txt"):
+        data.resolve("mixes/gone.txt", str(tmp_path))
+
+
+def test_a_profile_of_steps_a_resume_is_past_says_so(four_steps, tiny_data, tmp_path, capsys):
+    """--profile 2:2 on a run resuming at step 5 traces nothing, and says so in a line (it used to say
+    nothing); --profile 4:3 there traces the steps left of it, 5 and 6."""
+    profile = ckpt.Profile("2:2", str(tmp_path))
+    profile.dispatching(5)
+    assert "--profile 2:2: this run starts at step 5, past them: nothing is traced" in capsys.readouterr().out
+    assert profile.folder is None
+    later = ckpt.Profile("4:3", str(tmp_path))
+    later.dispatching(5)
+    assert (later.first, later.last, later.folder) == (5, 6, str(tmp_path / "profile"))
+    later.dispatching(6)
+    later.finished(6)
+    assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))

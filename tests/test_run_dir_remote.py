@@ -165,13 +165,23 @@ def test_sigterm_on_gcs_saves_at_the_next_step_exits_0_and_the_rerun_is_bitwise(
 
 
 def readers_take_gs(url: str, reference, tiny_data, bucket, tmp_path):
-    """What reads a run directory reads one at gs://: train.py --init_from (here with --eval_only, which
-    adds its row to a gs:// run's metrics.jsonl), ckpt.py's to-hf and average, bench/compare.py."""
+    """Every command that takes a path takes gs://, in and out: train.py --init_from a run (here with
+    --eval_only, which adds its row to a gs:// run's metrics.jsonl) and an HF directory in the bucket; ckpt.py's
+    to-hf (out to the bucket too), from-hf (in from it) and average (out to it); bench/compare.py on a run and
+    an HF directory there, ours and transformers'. A place nothing can write is refused before a read."""
     out = run(f"gs://{bucket.name}/scored", tiny_data, "--init_from", f"{url}@9", "--eval_only")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"starting from {url}@9" in out.stdout and "held-out evaluation" in out.stdout
     assert rows(f"gs://{bucket.name}/scored")[0]["eval_only"]
     assert ckpt.export_hf(url, tmp_path / "hf") == STEPS and (tmp_path / "hf" / "model.safetensors").exists()
+    hf = f"gs://{bucket.name}/hf"
+    assert ckpt.main(["to-hf", url, hf]) == 0
+    assert data.listing(hf) == sorted(os.listdir(tmp_path / "hf"))  # the same files as the local export
+    assert ckpt.main(["from-hf", hf, f"gs://{bucket.name}/imported"]) == 0
+    imported, final = final_arrays(f"gs://{bucket.name}/imported", step=0), final_arrays(url)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(imported, final, strict=False))
+    out = run(f"gs://{bucket.name}/from-hf", tiny_data, "--init_from", hf, "--eval_only")
+    assert out.returncode == 0 and f"starting from {hf} (hf: weights only" in out.stdout, out.stderr[-3000:]
     assert ckpt.average(url, reference, f"gs://{bucket.name}/soup") == (STEPS, STEPS)  # the run, twice
     soup = final_arrays(f"gs://{bucket.name}/soup", step=0)
     for a, b in zip(soup, final_arrays(reference)[: len(soup)], strict=True):
@@ -180,8 +190,15 @@ def readers_take_gs(url: str, reference, tiny_data, bucket, tmp_path):
     import compare
 
     tokens = np.arange(64) % 100
-    ours, theirs = (next(compare.side(str(where))[1](tokens, 64)) for where in (url, reference))
-    assert np.array_equal(ours, theirs)
+    sides = (url, reference, hf, f"transformers:{hf}")
+    ours, theirs, in_hf, transformers = (next(compare.side(str(where))[1](tokens, 64)) for where in sides)
+    assert np.array_equal(ours, theirs) and np.array_equal(ours, in_hf)
+    np.testing.assert_allclose(transformers, ours, rtol=1e-4, atol=1e-4)  # fp32: another library's sums
+    for argv in (
+        ["to-hf", url, "http://host/out"],
+        ["average", url, str(reference), f"s3://{bucket.name}/x"],
+    ):
+        assert ckpt.main(argv) == 1
 
 
 def names_under(bucket, prefix: str) -> set[str]:

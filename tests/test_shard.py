@@ -388,9 +388,9 @@ def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(mo
 # ---- several processes, as on a pod: JAX's own multi-host runtime, over localhost
 
 
-def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
+def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=(), env=None):
     """`train.py --preset tiny` (and `flags`) as `processes` processes that share 8 CPU devices; `faults`, one
-    per process, runs it through tests/faults.py (e.g. ["none:0", "during_save:4"])."""
+    per process, runs it through tests/faults.py (e.g. ["none:0", "during_save:4"]); `env`: variables added."""
     args = [
         *flags,
         "--preset",
@@ -414,7 +414,7 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=()):
         "--data_root",
         str(tiny_data),
     ]
-    env = with_cpu_devices(8 // processes, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
+    env = with_cpu_devices(8 // processes, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1", **(env or {}))
     if processes > 1:
         args += [
             "--coordinator",
@@ -469,16 +469,21 @@ def victim_output(victim, other, timeout: float = 300) -> str:
 
 
 def metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in data.read_text(data.join(run_dir, "metrics.jsonl")).splitlines()]
 
 
 @pytest.mark.slow
-def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save(tmp_path, tiny_data):
-    """2 processes x 4 CPU devices through jax.distributed, one of them killed while checkpoint 4 is written:
-    the other stops (it does not hang), and the two restarted resume from checkpoint 2 and take steps 3 and 4
-    again bit for bit. The finished run, a downstream task evaluated at its end, against 1 process x 8
-    devices, same mesh."""
-    two, one = tmp_path / "two", tmp_path / "one"
+def test_two_processes_on_a_bucket_survive_losing_one_mid_save_and_a_30_s_outage(
+    tmp_path, tiny_data, gcs_emulator, gcs_proxy
+):
+    """A pod's hosts rehearsed on one machine: 2 processes x 4 CPU devices through jax.distributed train one
+    gs:// run directory (each writes its shards of every checkpoint there) behind the tests' FaultProxy. One is
+    killed while checkpoint 4 is written: the other stops (it does not hang), and the two restarted resume from
+    checkpoint 2 and take steps 3 and 4 again bit for bit; after step 5 the bucket is out for 30 s, and they
+    ride it out. The finished run, a downstream task evaluated at its end, against 1 process x 8 devices on a
+    local disk, same mesh."""
+    bucket = gcs_emulator.create_bucket(f"pod-{time.time_ns()}")
+    two, one, go = f"gs://{bucket.name}/two", tmp_path / "one", tmp_path / "go"
     task = ["--tasks", "copycolors_10way_fast"]  # each process scores its rows of each batch of requests
     survivor, victim = launch(two, 6, tiny_data, processes=2, faults=["none:0", "during_save:4"], flags=task)
     single = launch(one, 6, tiny_data, processes=1, flags=task)
@@ -495,13 +500,27 @@ def test_two_processes_log_what_one_process_logs_and_survive_losing_one_mid_save
     ]
     first = steps(metrics(two))
     assert [s[0] for s in first] == [1, 2, 3, 4], first
-    lead, other = finish(launch(two, 6, tiny_data, processes=2, flags=task))
+    pair = launch(
+        two, 6, tiny_data, processes=2, faults=["hold:5"] * 2, flags=task, env={"FAULT_GO": str(go)}
+    )
+    deadline = time.time() + 300
+    while not bucket.blob("two/checkpoints/4/commit_success.txt").exists():  # retaken, and saved again
+        assert all(p.poll() is None for p in pair) and time.time() < deadline, finish(pair)
+        time.sleep(0.2)
+    with gcs_proxy.outage():  # both hold after step 5 until `go`; then step 6, its save and the evaluation
+        go.touch()
+        time.sleep(30)
+    lead, other = finish(pair)
+    assert sum(status == 503 for *_, status in gcs_proxy.log) > 0  # the outage met the pair's requests
     assert "resuming from" in lead and "(step 2)" in lead
     assert "mesh {'data': 1, 'fsdp': 8, 'context': 1, 'tensor': 1} over 8 devices in 2 processes" in lead
     assert "config:" not in other  # only process 0 prints
     # Every process writes its shards of every checkpoint; process 0 alone the metrics.
-    written = (two / "checkpoints" / "6" / "model").glob("ocdbt.process_*")
-    assert sorted(p.name for p in written) == ["ocdbt.process_0", "ocdbt.process_1"]
+    written = {name.split("/")[0] for name in data.listing(f"{two}/checkpoints/6/model")}
+    assert sorted(w for w in written if w.startswith("ocdbt.process_")) == [
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
     assert steps(metrics(two))[:4] == first  # steps 3 and 4 again from checkpoint 2, bitwise; each once
     finish(single)
     (*got, got_eval), (*want, want_eval) = metrics(two), metrics(one)
