@@ -166,7 +166,8 @@ def stage3_start(folder, rows, size):
     """Seconds from nothing to stage 3's first batch (PackedLoader: files' sizes, the document index, packing,
     the permutation, batch 0) on a mix of 8 files of stage3_bytes in all, cold (every token scanned, the
     caches written) and again with the caches in its work directory: local, then data and work directory on
-    the GCS emulator."""
+    the GCS emulator; and the bytes of the caches (16 an instance, 24 a document), which every host reads
+    whole at each start."""
     mix = os.path.join(folder, "stage3")
     os.makedirs(mix)
     rng = np.random.default_rng(0)
@@ -187,9 +188,18 @@ def stage3_start(folder, rows, size):
             rows.append(
                 (f"stage 3 start to batch 0, {gb:.2g} GB in 8 files, {where}, {start}", f"{seconds:.2f} s")
             )
+    caches = glob.glob(os.path.join(folder, "work", "dataset-common", "*"))
+    of = lambda kind: sum(os.path.getsize(p) for p in caches if os.path.basename(p).startswith(kind))
+    instances, documents = of("instance-offsets") // 16, of("documents-by-instance") // 8
+    rows.append(
+        (
+            f"stage 3 start: the packing caches each host reads whole, {gb:.2g} GB in 8 files",
+            f"{sum(map(os.path.getsize, caches)):,} bytes ({instances:,} instances x 16 + {documents:,} documents x 24)",
+        )
+    )
 
 
-def order_start_reads(folder, n: int) -> tuple[float, int, int, int]:
+def order_start_reads(folder, n: int) -> tuple[float, float, int, int, int]:
     """What a host reads of the order's cache at a start: the cache of n instances built and written to a
     local work_dir, then served over HTTP (tests/servers.py's server logs each request's Range), and a host (3
     of 8) of a run of 512 a batch, restarting in the middle, reads the 3 batches the prefetcher reads first.
