@@ -11,7 +11,8 @@ reference run over the same files:
 - stage 3 instead packs whole documents into instances (PackedInstances: NumpyPackedFSLDataset), in the same
   global order (PackedLoader), each row with its label mask and its documents.
 Files are local paths or gs://, s3:// and http(s):// URLs, read by byte range (read_ranges); the permutation
-and the document index are cached in a work directory, local or gs://, in OLMo-core's file formats.
+and the document index are cached in a work directory, local or gs://, in OLMo-core's file formats; a start
+reads of the permutation only the blocks its batches lie in, each checked (CheckedFile).
 
   python data.py prepare-tiny                      # Shakespeare -> data/tiny/{train,val}/*.npy in seconds
   python data.py tokenize docs/*.jsonl --out data/mine --tokenizer dolma2 --num_proc 8

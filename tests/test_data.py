@@ -247,13 +247,13 @@ def test_permutation_cache_is_built_once_by_one_host_and_rebuilt_when_damaged(tm
     np.testing.assert_array_equal(load((0, 2)), expected)
     [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
     sums = cache.removesuffix(".npy") + ".checksums.json"
-    assert os.path.getsize(cache) == 4 * 69 and sorted(os.listdir(work)) == sorted(
-        map(os.path.basename, [cache, sums])
-    )
+    assert os.path.getsize(cache) == 4 * 69
+    assert sorted(os.listdir(work)) == [os.path.basename(sums), os.path.basename(cache)]
 
     def fail(*args):
         raise AssertionError("the permutation was rebuilt")
 
+    build = data.global_indices
     monkeypatch.setattr(data, "global_indices", fail)
     np.testing.assert_array_equal(load(), expected)
     os.remove(sums)  # OLMo-core's cache: read whole, its sum checked, the checksums written
@@ -263,8 +263,7 @@ def test_permutation_cache_is_built_once_by_one_host_and_rebuilt_when_damaged(tm
         f.truncate(30)
     np.testing.assert_array_equal(load(), expected)
     assert "checksums" in capsys.readouterr().out and os.path.getsize(sums) > 30
-    monkeypatch.undo()
-    monkeypatch.setattr(data, "CHECKED_BLOCK", 64)
+    monkeypatch.setattr(data, "global_indices", build)
     swapped = expected.copy()
     swapped[[40, 41]] = swapped[[41, 40]]  # in block 2; the file's sum is still 0 + 1 + ... + 68
     with open(cache, "r+b") as f:
