@@ -11,7 +11,8 @@ reference run over the same files:
 - stage 3 instead packs whole documents into instances (PackedInstances: NumpyPackedFSLDataset), in the same
   global order (PackedLoader), each row with its label mask and its documents.
 Files are local paths or gs://, s3:// and http(s):// URLs, read by byte range (read_ranges); the permutation
-and the document index are cached in a work directory, local or gs://, in OLMo-core's file formats.
+and the document index are cached in a work directory, local or gs://, in OLMo-core's file formats; a start
+reads of the permutation only the blocks its batches lie in, each checked (CheckedFile).
 
   python data.py prepare-tiny                      # Shakespeare -> data/tiny/{train,val}/*.npy in seconds
   python data.py tokenize docs/*.jsonl --out data/mine --tokenizer dolma2 --num_proc 8
@@ -1095,26 +1096,113 @@ def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
         raise bad_id(path, offset + int(bad[0]), int(tokens[bad[0]]), vocab_size)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Caches read a block at a time: beside a cache file, a sidecar of our own (the file itself stays in OLMo-core's
+# format, so either trainer reuses it) holds the blake2b-64 of each block of its bytes, so that a host reads
+# and checks only the blocks it needs. The sidecar is written from bytes built here, or checked whole.
+
+CHECKED_BLOCK = 1 << 20  # bytes a checksum covers: 262,144 of the 7B's order, 512 of its steps of 512
+
+
+class CacheDamage(DataError):
+    """Bytes of a cache that do not match the checksum written with them."""
+
+
+def checksums_path(path: str) -> str:
+    return path.removesuffix(".npy") + ".checksums.json"
+
+
+def block_checksums(contents: np.ndarray, block: int) -> list[str]:
+    view = memoryview(np.ascontiguousarray(contents)).cast("B")
+    return [
+        hashlib.blake2b(view[a : a + block], digest_size=8).hexdigest() for a in range(0, len(view), block)
+    ]
+
+
+def write_checksums(path: str, contents: np.ndarray) -> None:
+    """The sidecar of a cache file holding `contents` (written after the file: a reader that finds the file
+    without it checks the file whole)."""
+    checksums = block_checksums(contents, CHECKED_BLOCK)
+    sidecar = {"bytes": contents.nbytes, "block_bytes": CHECKED_BLOCK, "blake2b_64": checksums}
+    write_file(checksums_path(path), json.dumps(sidecar).encode())
+
+
+def read_checksums(path: str, size: int) -> dict | None:
+    """The sidecar of a cache file of `size` bytes; None if there is none, or it is cut short, garbled or of
+    another size (then the file is checked whole and the sidecar written again)."""
+    where = checksums_path(path)
+    if (n := file_size(where)) is None:
+        return None
+    try:
+        sidecar = json.loads(load_array(where, np.uint8, n).tobytes())
+        block, count = sidecar["block_bytes"], len(sidecar["blake2b_64"])
+        if sidecar["bytes"] != size or block <= 0 or block % 8 or count != -(-size // block):
+            raise ValueError(
+                f"they describe {sidecar['bytes']} bytes in {count} blocks of {block}, not {size}"
+            )
+    except (ValueError, KeyError, TypeError) as e:  # (a sidecar cut short is no JSON)
+        print(f"data: the checksums {where} are unreadable ({e!r}); checking {path} whole")
+        return None
+    return sidecar
+
+
+class CheckedFile:
+    """A cache file read by byte range, each block checked against its sidecar's checksum as it arrives; the
+    blocks of the last read are kept, so consecutive batches (a window of steps) cost one request a block."""
+
+    def __init__(self, path: str, dtype, sidecar: dict):
+        self.path, self.dtype, self.sidecar, self.blocks = path, np.dtype(dtype), sidecar, {}
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Elements start..stop-1, every block they lie in read (those not kept, all at once) and checked."""
+        size, block = self.dtype.itemsize, self.sidecar["block_bytes"]
+        first, last = start * size // block, max(start, stop - 1) * size // block
+        wanted = [b for b in range(first, last + 1) if b not in self.blocks]
+        ranges = [(self.path, b * block, min((b + 1) * block, self.sidecar["bytes"])) for b in wanted]
+        for b, value in zip(wanted, read_ranges(ranges)):
+            if hashlib.blake2b(value, digest_size=8).hexdigest() != self.sidecar["blake2b_64"][b]:
+                raise CacheDamage(f"bytes {b * block}..{b * block + len(value)} do not match their checksum")
+            self.blocks[b] = value
+        self.blocks = {b: self.blocks[b] for b in range(first, last + 1)}
+        elements = np.frombuffer(b"".join(self.blocks.values()), self.dtype)
+        return elements[start - first * block // size : stop - first * block // size]
+
+
 class GlobalOrder:
     """OLMo-core's NumpyFSLDataLoader over `num_instances` instances: the global permutation (seed, epoch), cut
-    into whole batches, each batch's rows dealt to data-parallel ranks; batch i is a pure function of i."""
+    into whole batches, each batch's rows dealt to data-parallel ranks; batch i is a pure function of i.
+    The permutation is cached in work_dir, if given, as OLMo-core's file; a start reads of it only the blocks
+    its batches lie in (CheckedFile), from its first batch on. Of hosts sharing work_dir, host `share[0]` of
+    `share[1]` writes the cache; the others build the same permutation themselves where there is none yet."""
 
-    def __init__(self, num_instances: int, global_batch_size: int, seed, epoch: int, work_dir, what: str):
+    def __init__(
+        self, num_instances: int, global_batch_size: int, seed, epoch: int, work_dir, what: str, share=(0, 1)
+    ):
         self.num_instances, self.global_batch_size = num_instances, global_batch_size
-        self.seed, self.epoch, self.work_dir = seed, epoch, work_dir
+        self.seed, self.epoch, self.work_dir, self.share = seed, epoch, work_dir, share
         self.num_batches = num_instances // global_batch_size  # OLMo-core drops the partial last batch
         if self.num_batches == 0:
             raise DataError(f"{num_instances} {what} do not fill one global batch of {global_batch_size}")
-        self._indices = None
+        self._order = None  # the permutation: in memory, or its cache read a block at a time (CheckedFile)
 
     @property
     def indices(self) -> np.ndarray:
-        """The global permutation, built on first use (and cached in work_dir, when given)."""
-        if self._indices is None:
-            self._indices = self._load_or_build_indices()
-        return self._indices
+        """The whole global permutation, read at once (a loader reads only its batches' blocks)."""
+        return self._order_part(0, self.num_instances)
 
-    def _load_or_build_indices(self) -> np.ndarray:
+    def _order_part(self, start: int, stop: int) -> np.ndarray:
+        if self._order is None:
+            self._order = self._open_order()
+        if isinstance(self._order, np.ndarray):
+            return self._order[start:stop]
+        try:
+            return self._order.read(start, stop)
+        except CacheDamage as e:
+            print(f"data: rebuilding the damaged permutation cache {self._order.path}: {e}")
+            self._order = self._build_order(self._order.path)
+            return self._order[start:stop]
+
+    def _open_order(self) -> np.ndarray | CheckedFile:
         # No default seed: the recipe's is train.py's --seed, and a second copy here could drift from it.
         if self.seed is None:
             raise ValueError("the data order needs a seed: pass TokenLoader(..., seed=) (train.py's --seed)")
@@ -1124,19 +1212,31 @@ class GlobalOrder:
         # OLMo-core's own file name and format, so either trainer can reuse the other's cache.
         name = f"global_indices_dataset_size{n}_epoch{self.epoch}_seed{self.seed}_v1.npy"
         path = under(self.work_dir, name)  # a folder, or a gs:// URL every host and restart shares
-        if (size := file_size(path)) is not None:
+        size = file_size(path)
+        if size == 4 * n and (sidecar := read_checksums(path, size)) is not None:
+            return CheckedFile(path, np.uint32, sidecar)
+        if size == 4 * n:  # OLMo-core's file with no sidecar (or ours without one yet): checked whole, once
+            cached = load_array(path, np.uint32, size)
             # A permutation of 0..n-1 sums to n(n-1)/2; a short or damaged file almost surely does not.
-            cached = load_array(path, np.uint32, size) if size == 4 * n else None
-            if cached is not None and int(cached.sum(dtype=np.uint64)) == n * (n - 1) // 2:
+            if int(cached.sum(dtype=np.uint64)) == n * (n - 1) // 2:
+                if self.share[0] == 0:
+                    write_checksums(path, cached)
                 return cached
+        if size is not None:
             print(
                 f"data: rebuilding the damaged permutation cache {path} ({size} bytes, expected {4 * n}, "
                 "or wrong contents)"
             )
-        indices = global_indices(n, self.seed, self.epoch)
-        write_file(path, indices)
-        # A local cache is read back memory-mapped, so the processes of a host share it in the page cache.
-        return indices if is_url(path) else np.memmap(path, np.uint32, "r")
+        return self._build_order(path)
+
+    def _build_order(self, path: str) -> np.ndarray:
+        """The permutation built here, and cached by one host: every host builds the same one, so none waits
+        for another, and none reads a cache before it is whole (each file is written whole, the sidecar last)."""
+        indices = global_indices(self.num_instances, self.seed, self.epoch)
+        if self.share[0] == 0:
+            write_file(path, indices)
+            write_checksums(path, indices)
+        return indices
 
     def order_fingerprint(self, paths: list[str], tokens: list[int], seq_len: int, dtype: np.dtype) -> dict:
         """What the order depends on, as a checkpoint records it (a resume on other data is refused)."""
@@ -1156,7 +1256,8 @@ class GlobalOrder:
                 f"batch {i} is past the end of epoch {self.epoch}, which has {self.num_batches} "
                 f"batches (0..{self.num_batches - 1}) of {self.global_batch_size}"
             )
-        return self.indices[i * self.global_batch_size : (i + 1) * self.global_batch_size]
+        # A host's rows (row_ids) are strided over the whole batch, so it reads the batch's span.
+        return self._order_part(i * self.global_batch_size, (i + 1) * self.global_batch_size)
 
     def row_ids(self, rank: int, world: int) -> np.ndarray:
         """Where rank's rows sit in the global batch: OLMo-core's `indices[:, rank::world]`, strided."""
@@ -1191,6 +1292,7 @@ class TokenLoader(GlobalOrder):
         dtype=np.uint32,
         vocab_size: int | None = None,
         work_dir: str | None = None,
+        share: tuple[int, int] = (0, 1),
     ):
         self.paths = [os.fspath(p) for p in paths]
         if not self.paths:
@@ -1206,7 +1308,7 @@ class TokenLoader(GlobalOrder):
                 f"{self.paths[k]}, has {tokens[k]} tokens"
             )
         what = f"instances of {seq_len} tokens"
-        super().__init__(int(self.offsets[-1]), global_batch_size, seed, epoch, work_dir, what)
+        super().__init__(int(self.offsets[-1]), global_batch_size, seed, epoch, work_dir, what, share)
         if vocab_size is not None:  # a sample, the head of each file; `check` scans every token
             for p, head in zip(self.paths, heads):
                 _check_ids(np.frombuffer(head, self.dtype), vocab_size, p, 0)
@@ -1627,7 +1729,7 @@ class PackedLoader(GlobalOrder):
         self.seq_len, self.vocab_size, self.dtype = seq_len, vocab_size, np.dtype(dtype)
         self.packed = PackedInstances(self.paths, seq_len, eos_id, pad_id, dtype, group_size, work_dir, share)
         what = f"packed instances of {seq_len} tokens"
-        super().__init__(len(self.packed), global_batch_size, seed, epoch, work_dir, what)
+        super().__init__(len(self.packed), global_batch_size, seed, epoch, work_dir, what, share)
         packing = dict(group_size=group_size, file_seed=file_seed, eos_id=eos_id, pad_id=pad_id)
         fingerprint = self.order_fingerprint(self.paths, self.packed.tokens, seq_len, self.dtype)
         self.fingerprint = fingerprint | {"packing": packing}

@@ -809,6 +809,8 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     vocab = model_cfg.vocab_size  # the permutation's cache is built at the first batch, under the lock
     dtype = cfg.data_dtype or data.dtype_for_vocab(vocab)
     kw = dict(seed=cfg.seed, dtype=dtype, vocab_size=vocab, work_dir=f"{cfg.run_dir}/data")
+    # Process 0 of the hosts writes the order's cache; a first start's scan of stage 3 is divided among them.
+    kw["share"] = (jax.process_index(), jax.process_count())
     loader = None if files is None else make_loader(cfg, model_cfg, files, kw)
     if loader is not None:
         cfg = one_epoch_where_asked(cfg, loader.num_batches)
@@ -840,8 +842,7 @@ def make_loader(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, files: list[str]
     file_seed = None if cfg.file_seed < 0 else cfg.file_seed
     say(f"packing the documents of {len(files)} files into instances of {cfg.seq_len} tokens ...")
     packing = dict(eos_id=eos, pad_id=pad, group_size=cfg.pack_files, file_seed=file_seed)
-    share = (jax.process_index(), jax.process_count())  # a first start's scan, divided among the hosts
-    return data.PackedLoader(files, cfg.seq_len, cfg.global_batch, **packing, **kw, share=share)
+    return data.PackedLoader(files, cfg.seq_len, cfg.global_batch, **packing, **kw)
 
 
 def downstream_tasks(

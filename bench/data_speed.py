@@ -1,14 +1,17 @@
 """Data throughput: TokenLoader batches from token files (local, over HTTP, from a GCS emulator), the wait a
-prefetched step sees, stage 3's start (cold and cached), batch_hash, the repeat filter, the permutation, the
-tokenizers.
+prefetched step sees, stage 3's start (cold and cached), batch_hash, the repeat filter, the permutation and the
+bytes a host reads of its cache at a start, the tokenizers.
 
-python bench/data_speed.py           # about 4 minutes on 2 CPU cores; writes ~1.6 GB to a temp folder
-python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances)
+python bench/data_speed.py           # about 4 minutes on 2 CPU cores; writes ~2 GB to a temp folder
+python bench/data_speed.py --full    # also builds the real mix's permutation (723,872,768 instances) and its cache
 python bench/data_speed.py --small   # every row at a small size, seconds: a check that it runs through
 """
 
 import argparse
+import glob
+import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -163,7 +166,8 @@ def stage3_start(folder, rows, size):
     """Seconds from nothing to stage 3's first batch (PackedLoader: files' sizes, the document index, packing,
     the permutation, batch 0) on a mix of 8 files of stage3_bytes in all, cold (every token scanned, the
     caches written) and again with the caches in its work directory: local, then data and work directory on
-    the GCS emulator."""
+    the GCS emulator; and the bytes of the caches (16 an instance, 24 a document), which every host reads
+    whole at each start."""
     mix = os.path.join(folder, "stage3")
     os.makedirs(mix)
     rng = np.random.default_rng(0)
@@ -184,6 +188,66 @@ def stage3_start(folder, rows, size):
             rows.append(
                 (f"stage 3 start to batch 0, {gb:.2g} GB in 8 files, {where}, {start}", f"{seconds:.2f} s")
             )
+    caches = glob.glob(os.path.join(folder, "work", "dataset-common", "*"))
+    of = lambda kind: sum(os.path.getsize(p) for p in caches if os.path.basename(p).startswith(kind))
+    instances, documents = of("instance-offsets") // 16, of("documents-by-instance") // 8
+    rows.append(
+        (
+            f"stage 3 start: the packing caches each host reads whole, {gb:.2g} GB in 8 files",
+            f"{sum(map(os.path.getsize, caches)):,} bytes ({instances:,} instances x 16 + {documents:,} documents x 24)",
+        )
+    )
+
+
+def order_start_reads(folder, n: int) -> tuple[float, int, int, int]:
+    """What a host reads of the order's cache at a start: the cache of n instances built and written to a
+    local work_dir, then served over HTTP (tests/servers.py's server logs each request's Range), and a host (3
+    of 8) of a run of 512 a batch, restarting in the middle, reads the 3 batches the prefetcher reads first.
+    Returns the seconds to build and write the cache, the bytes of its checksums and of the blocks read, and
+    the requests. (Before, every host read the whole file, 4 bytes an instance.) No time: the test server reads
+    a whole file to answer a HEAD, seconds at 2.9 GB, which a real server answers from its metadata."""
+    work, batch = os.path.join(folder, f"order-{n}"), 512
+    built, _ = timed(lambda: data.GlobalOrder(n, batch, 34521, 1, work, "instances").batch_indices(0))
+    [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
+    http = FileServer(work)
+    order = data.GlobalOrder(n, batch, 34521, 1, http.url, "instances", share=(3, 8))
+    start = order.num_batches // 2
+    for i in range(start, start + 3):
+        order.batch_indices(i)
+    gets = [re.fullmatch(r"bytes=(\d+)-(\d+)", r).groups() for method, _, r, _ in http.log if method == "GET"]
+    http.shutdown()
+    checksums = os.path.getsize(data.checksums_path(cache))
+    return built, checksums, sum(int(b) + 1 - int(a) for a, b in gets) - checksums, len(http.log)
+
+
+def order_rows(folder, rows, size, full: bool) -> None:
+    """order_start_reads at the bench's size, and for the 7B's mix: measured with --full, else computed (the
+    checksums' file as write_checksums writes it, and one block)."""
+    for n in [size["instances"]] + [OLMO3_INSTANCES] * full:
+        built, checksums, blocks, requests = order_start_reads(folder, n)
+        rows.append(
+            (f"order cache of {n:,} instances built and written, with its checksums", f"{built:.1f} s")
+        )
+        rows.append(
+            (
+                f"bytes a host reads of the order at a start, {n:,} instances: before / after",
+                f"{4 * n:,} / {checksums + blocks:,} (checksums {checksums:,}, blocks {blocks:,}; {requests} requests)",
+            )
+        )
+    if not full:
+        blocks = -(-4 * OLMO3_INSTANCES // data.CHECKED_BLOCK)
+        sidecar = {
+            "bytes": 4 * OLMO3_INSTANCES,
+            "block_bytes": data.CHECKED_BLOCK,
+            "blake2b_64": ["0" * 16] * blocks,
+        }
+        checksums = len(json.dumps(sidecar))
+        rows.append(
+            (
+                f"bytes a host reads of the order at a start, {OLMO3_INSTANCES:,} instances: before / after, computed",
+                f"{4 * OLMO3_INSTANCES:,} / {checksums + data.CHECKED_BLOCK:,} (checksums {checksums:,}, one block)",
+            )
+        )
 
 
 def permutation_speed(n):
@@ -266,6 +330,7 @@ if __name__ == "__main__":
                     f"~{seconds * scale:.0f} s, ~{peak * scale / 1e9:.1f} GB",
                 )
             )
+        order_rows(folder, rows, size, args.full)
         n = size["instances"]
         data.global_indices(n, 1, 1).tofile(os.path.join(folder, "perm.npy"))
         seconds, _ = timed(

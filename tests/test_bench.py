@@ -97,7 +97,7 @@ def test_data_speed_prints_every_row():
     out = bench("data_speed.py", "--small")
     table = out[out.index("what ") :].splitlines()
     names = [line.split(" | ")[0].strip() for line in table[2:-1]]
-    assert len(names) == 22 and names[0] == "TokenLoader.global_batch, 64 x 8192, page cache cold", table
+    assert len(names) == 26 and names[0] == "TokenLoader.global_batch, 64 x 8192, page cache cold", table
     assert table[-1].startswith("peak memory of this process: ")
 
 

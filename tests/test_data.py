@@ -234,25 +234,49 @@ def test_two_loaders_and_another_process_agree(tmp_path):
     np.testing.assert_array_equal(np.load(out), batches[5:])
 
 
-def test_permutation_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch, capsys):
+def test_permutation_cache_is_built_once_by_one_host_and_rebuilt_when_damaged(tmp_path, monkeypatch, capsys):
+    """Of hosts sharing a work directory, host 0 writes the order's cache and its block checksums; a start
+    checks the blocks it reads, so a damaged block is rebuilt though the file's sum is right (two indices
+    swapped), and OLMo-core's cache (no checksums) is checked whole once."""
     paths, work = write_token_files(tmp_path / "tokens"), str(tmp_path / "run")
+    monkeypatch.setattr(data, "CHECKED_BLOCK", 64)  # 16 indices a block: 5 blocks of 69
     expected = data.global_indices(69, SEED, 1)
-    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected)
+    load = lambda share=(0, 1): data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work, share=share).indices
+    np.testing.assert_array_equal(load((1, 2)), expected)
+    assert not os.path.exists(work)  # host 1 of 2 built it for itself
+    np.testing.assert_array_equal(load((0, 2)), expected)
     [cache] = glob.glob(os.path.join(work, "global_indices_*.npy"))
-    assert os.path.getsize(cache) == 4 * 69 and os.listdir(work) == [os.path.basename(cache)]
+    sums = cache.removesuffix(".npy") + ".checksums.json"
+    assert os.path.getsize(cache) == 4 * 69
+    assert sorted(os.listdir(work)) == [os.path.basename(sums), os.path.basename(cache)]
 
     def fail(*args):
         raise AssertionError("the permutation was rebuilt")
 
+    build = data.global_indices
     monkeypatch.setattr(data, "global_indices", fail)
-    np.testing.assert_array_equal(data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected)
-    monkeypatch.undo()
+    np.testing.assert_array_equal(load(), expected)
+    os.remove(sums)  # OLMo-core's cache: read whole, its sum checked, the checksums written
+    np.testing.assert_array_equal(load(), expected)
+    assert os.path.isfile(sums) and capsys.readouterr().out == ""
+    with open(sums, "r+b") as f:
+        f.truncate(30)
+    np.testing.assert_array_equal(load(), expected)
+    assert "checksums" in capsys.readouterr().out and os.path.getsize(sums) > 30
+    monkeypatch.setattr(data, "global_indices", build)
+    swapped = expected.copy()
+    swapped[[40, 41]] = swapped[[41, 40]]  # in block 2; the file's sum is still 0 + 1 + ... + 68
+    with open(cache, "r+b") as f:
+        f.write(swapped)
+    loader = data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work)
+    np.testing.assert_array_equal(loader.batch_indices(0), expected[:4])
+    assert capsys.readouterr().out == ""  # block 0 read and checked, block 2 neither
+    np.testing.assert_array_equal(loader.batch_indices(10), expected[40:44])
+    assert "rebuilding the damaged permutation cache" in capsys.readouterr().out
     for damage in (lambda f: f.truncate(100), lambda f: (f.seek(8), f.write(b"\xff"))):
         with open(cache, "r+b") as f:
             damage(f)
-        np.testing.assert_array_equal(
-            data.TokenLoader(paths, SEQ, 4, seed=SEED, work_dir=work).indices, expected
-        )
+        np.testing.assert_array_equal(load(), expected)
         assert "rebuilding the damaged permutation cache" in capsys.readouterr().out
         np.testing.assert_array_equal(np.fromfile(cache, np.uint32), expected)
 

@@ -125,6 +125,38 @@ def test_over_http_sizes_are_heads_and_reads_are_ranges_never_whole_files(tmp_pa
     )  # then one read an instance
 
 
+def test_a_host_reads_of_the_order_only_the_blocks_of_its_steps_from_its_start_on(
+    tmp_path, http_server, monkeypatch
+):
+    """The order's cache in a work directory served over HTTP, read by fresh loaders as hosts (rank of world)
+    starting at step 0 or in the middle: each batch is numpy's rows of the brute-force permutation, and the
+    host's requests for the cache are its checksums and the blocks its batches lie in, never the whole file."""
+    monkeypatch.setattr(data, "CHECKED_BLOCK", 64)  # 16 indices, 2 batches of 8 a block
+    paths = write_documents(tmp_path / "mix", tokens=(5000,) * 6)
+    truth, work = numpy_instances(paths), tmp_path / "work"
+    n, batch, steps = len(truth), 8, 4
+    order = data.global_indices(n, SEED, 1)  # checked against OLMo-core's in tests/test_data.py
+    data.TokenLoader(paths, SEQ, batch, seed=SEED, dtype=DTYPE, work_dir=str(work)).batch_indices(0)  # built
+    [cache] = ["/" + name for name in os.listdir(work) if name.endswith(".npy")]
+    server = http_server(work)
+    for start in (0, 29):
+        for rank, world in ((0, 1), (1, 2), (3, 4)):
+            server.log.clear()
+            loader = data.TokenLoader(
+                paths, SEQ, batch, seed=SEED, dtype=DTYPE, work_dir=server.url, share=(rank, world)
+            )
+            for i in range(start, start + steps):
+                rows = order[i * batch : (i + 1) * batch][rank::world]
+                np.testing.assert_array_equal(loader.local_batch(i, rank, world), truth[rows])
+            gets = [r for method, p, r, _ in server.log if (method, p) == ("GET", cache)]
+            asked = sorted(tuple(map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", r).groups())) for r in gets)
+            # The blocks the steps' batches lie in, each once, and nothing else of the cache.
+            blocks = range(4 * start * batch // 64, -(-4 * (start + steps) * batch // 64))
+            assert asked == [(64 * k, 64 * k + 63) for k in blocks]
+            # Besides: the cache's size (a HEAD), its checksums' size and the checksums, whole.
+            assert [m for m, p, *_ in server.log if (m, p) != ("GET", cache)] == ["HEAD", "HEAD", "GET"]
+
+
 @pytest.mark.parametrize("scheme", ["http", "gs", "s3"])
 def test_held_out_sets_from_a_mix_file_at_a_url_are_numpy_s_documents(tmp_path, scheme, at_url):
     """--eval_data as a mix file at a URL, its lines under --data_root at a URL (as OLMo-core resolves
@@ -374,7 +406,7 @@ def test_damaged_caches_on_gs_are_rebuilt_never_trusted(tmp_path, at_url, gcs_em
     np.testing.assert_array_equal(
         data.TokenLoader(urls, SEQ, 8, seed=SEED, dtype=DTYPE, work_dir=work).indices, permutation
     )
-    [name] = [b.name for b in bucket.list_blobs(prefix="run/data/global_indices")]
+    [name] = [b.name for b in bucket.list_blobs(prefix="run/data/global_indices") if b.name.endswith(".npy")]
     for damaged in (
         permutation.tobytes()[:8] + b"\xff" * 4 + permutation.tobytes()[12:],
         permutation.tobytes()[:-4],
