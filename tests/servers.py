@@ -169,11 +169,14 @@ class FileHandler(http.server.BaseHTTPRequestHandler):
         size = os.path.getsize(file)
         start, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", asked).groups()) if asked else (0, size - 1)
         last = min(last, size - 1)
-        with open(file, "rb") as f:
-            f.seek(start)
-            body = f.read(last + 1 - start)
+        body = b""
+        if send_body:  # a HEAD's answer is the size alone: nothing read
+            with open(file, "rb") as f:
+                f.seek(start)
+                body = f.read(last + 1 - start)
         time.sleep(stall)
         headers = {"Content-Range": f"bytes {start}-{last}/{size}"} if asked else {}
+        headers["Content-Length"] = str(last + 1 - start)  # a HEAD's too, though no body follows
         self.reply(at, 206 if asked else 200, body, headers, send_body)
 
     def reply(self, at: int, status: int, body: bytes, headers: dict, send_body: bool):
