@@ -1,9 +1,12 @@
-"""A run directory on Cloud Storage (gs://, on a GCS emulator the tests start on 127.0.0.1) and on a folder
-that renames no directory (as a gcsfuse mount of a flat bucket), end to end through train.py and ckpt.py:
-killed mid-save and rerun, bit for bit the uninterrupted local run, metrics.jsonl one row per step; a SIGTERM
-saves and exits 0, and the rerun is bitwise too; one writer, a stale lock taken over, a lease taken over stops
-its old holder; a checkpoint without its commit marker never read; a corrupt one set aside by a copy (no
-rename); and the --profile trace, which XProf and Perfetto read."""
+"""A run directory on Cloud Storage (gs://, on a GCS emulator the tests start on 127.0.0.1, behind their
+FaultProxy) and on a folder that renames no directory (as a gcsfuse mount of a flat bucket), end to end
+through train.py and ckpt.py: killed mid-save and rerun, bit for bit the uninterrupted local run, metrics.jsonl
+one row per step; a SIGTERM saves and exits 0, and the rerun is bitwise too; one writer, a stale lock taken
+over, a lease taken over stops its old holder; a checkpoint without its commit marker never read; a corrupt
+one set aside by a copy (no rename), and moved back by `ckpt.py restore-quarantined`; the --profile trace,
+which XProf and Perfetto read; every command's paths in and out of the bucket. And the bucket's weather: a
+503, a reset and a lost answer on every kind of request, outages shorter and longer than --storage_patience,
+503s throughout a restore, an account that may only read."""
 
 import gzip
 import json
@@ -241,6 +244,18 @@ def test_one_writer_on_gcs_and_a_stale_lock_taken_over(bucket):
     with ckpt.RunLock(url):  # a lease not renewed in time: the holder is gone
         assert json.loads(lock.download_as_text())["host"] == socket.gethostname()
     assert not lock.exists()
+
+
+def test_a_lock_renewal_rides_out_an_outage_shorter_than_the_lease(bucket, gcs_proxy):
+    """The bucket out for 2 s as the holder renews its lease: the renewal waits it out and lands, at the
+    generation the lock was written at, so the lock stays this process's."""
+    url = f"gs://{bucket.name}/lease"
+    with ckpt.RunLock(url) as held:
+        before = held.generation
+        with gcs_proxy.outage(seconds=2):
+            held.renew()
+        assert held.generation != before and any(status == 503 for *_, status in gcs_proxy.log)
+        assert json.loads(bucket.blob("lease/lock").download_as_text()) == held.held
 
 
 def test_a_checkpoint_without_its_commit_marker_is_never_read_and_a_writer_removes_it(bucket):
