@@ -2320,6 +2320,23 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    args = parser().parse_args(argv)
+    if args.storage_patience <= 0:
+        parser().error(f"--storage_patience {args.storage_patience}: expected seconds above 0")
+    data.set_patience(args.storage_patience)
+    shard.quiet_libtpu()
+    try:
+        for name in ("run_dir", "run_a", "run_b") + (("out",) if args.command == "average" else ()):
+            if hasattr(args, name):
+                check_run_place(getattr(args, name), name.upper())
+        return run_command(args)
+    except (OSError, ValueError, CorruptCheckpoint, RunDirError, data.StorageUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)  # the message names the path and the fix
+        return 1
+
+
+def parser() -> argparse.ArgumentParser:
+    """ckpt.py's command line: a subcommand each, every one taking --storage_patience."""
     parser = argparse.ArgumentParser(prog="ckpt.py", description=__doc__.split("\n\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -2359,19 +2376,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--different_steps", action="store_true", help="average newest checkpoints at different steps too"
     )
-    args = parser.parse_args(argv)
-    if args.storage_patience <= 0:
-        parser.error(f"--storage_patience {args.storage_patience}: expected seconds above 0")
-    data.set_patience(args.storage_patience)
-    shard.quiet_libtpu()
-    try:
-        for name in ("run_dir", "run_a", "run_b") + (("out",) if args.command == "average" else ()):
-            if hasattr(args, name):
-                check_run_place(getattr(args, name), name.upper())
-        return run_command(args)
-    except (OSError, ValueError, CorruptCheckpoint, RunDirError, data.StorageUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)  # the message names the path and the fix
-        return 1
+    return parser
 
 
 def run_command(args) -> int:

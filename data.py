@@ -510,6 +510,11 @@ def _register_patient_gcsfs() -> None:
     fsspec.config.conf.setdefault("gcs", {}).setdefault("use_listings_cache", False)
     for protocol in ("gs", "gcs"):
         fsspec.register_implementation(protocol, PatientGCSFileSystem, clobber=True)
+    # etils.epath keeps the first filesystem it made of each protocol: one made before this (by code that
+    # used epath itself) would keep gcsfs's own retries and its listings cache.
+    from etils.epath import backend
+
+    backend.fsspec_backend._get_filesystem.cache_clear()
 
 
 # --- Reading ---

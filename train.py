@@ -157,8 +157,7 @@ class TrainConfig:
 
     # run
     run_dir: str = "runs/7b"  # a folder, or gs://BUCKET/PATH: everything the run writes, checkpoints included
-    storage_patience: float = flag(600.0, above=0)  # seconds each request to storage (run directory, data)
-    # is tried again on transient answers (429, 5xx, resets, timeouts) before the run stops, losing nothing
+    storage_patience: float = flag(600.0, above=0)  # seconds a storage request retries 429s, 5xx, resets
     ckpt_every: int = flag(1000, low=1)
     keep_last: int = flag(2, low=2)  # recent checkpoints kept (at least 2: the newest may be mid-write)
     keep_every: int = flag(0, low=0)  # also keep every step divisible by this, forever; 0 = none
