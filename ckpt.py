@@ -1,8 +1,18 @@
-"""What a run leaves on disk and the formats it converts (the only file that imports orbax; it never imports
-train.py). Under its headings: the run directory (a local folder or gs://BUCKET/PATH; the lock that gives it
-one writer, log.txt, the --profile trace, preemption), the metrics log and plots, the Orbax checkpoints of the training state, the Hugging Face format in and out,
-the OLMo-core format in (with its Adam state), averaging two runs, and the command line. train.py reads a
-stage's start (--init_from) through the readers here, each process its own shards.
+"""What a run leaves on disk and the formats it converts: the only file that imports orbax, and it never imports
+train.py. train.py reads a stage's start (--init_from) through the readers here, each process its own shards.
+In reading order, under its headings:
+
+1. Run directories: a local folder or gs://BUCKET/PATH, every file read and written through data.py's storage
+   layer with its one retry policy (--storage_patience).
+2. Checkpoints (Orbax): saves in the background, restores checked against our checksums, the quarantine of a
+   damaged one and its undoing, and the check that a resume continues the same run.
+3. The Hugging Face format in and out, read by byte range.
+4. The OLMo-core format in, with its Adam state.
+5. Averaging two runs.
+6. The run directory's services: the lock that gives it one writer, log.txt, the run's files, preemption.
+7. The metrics log (metrics.jsonl, TensorBoard, W&B) and the plots.
+8. The loop's instruments: the progress bar and the profiler.
+9. The command line:
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
     python ckpt.py to-hf RUN_DIR OUT       # newest valid checkpoint (or --step N) -> an HF directory + tokenizer
@@ -18,8 +28,7 @@ config, the data fingerprint and a checksum per array). Orbax commits a step by 
 `commit_success.txt`, last (COMMIT: no folder is renamed, which Cloud Storage and gcsfuse cannot do), but
 does not validate what it reads back, so the checksums are ours; a checkpoint whose bytes fail them (or cannot
 be parsed) is moved to `quarantined/`, never one the storage failed to serve. Every path a command takes (run
-directories, HF directories in and out) may be local or gs://, read and written through data.py's storage
-layer with its one retry policy (--storage_patience).
+directories, HF directories in and out) may be local or gs://.
 """
 
 import argparse
@@ -59,8 +68,8 @@ import shard
 from olmo3 import FULL, SLIDING, Compute, Olmo3, Olmo3Config, Rope, Yarn, is_array
 
 # ---------------------------------------------------------------------------------------------------------
-# The run directory: where it lives (a local folder or gs://BUCKET/PATH, every file of it read and written
-# through data.py's storage layer), one writer at a time (the lock), log.txt, the run's files, preemption.
+# Run directories: where a run lives (a local folder or gs://BUCKET/PATH, every file of it read and written
+# through data.py's storage layer), and the errors that refuse one.
 
 
 class RunDirError(RuntimeError):
@@ -92,647 +101,9 @@ def _absolute(path) -> str:
     return str(path).rstrip("/") if data.is_url(path) else os.path.abspath(path)
 
 
-class Profile:
-    """--profile START:STEPS: jax.profiler traces steps START ... START + STEPS - 1, from the dispatch of the
-    first to the arrival of the last one's numbers, into RUN_DIR/profile/plugins/profile/<time>/, where
-    TensorBoard's profile plugin and XProf look: <host>.xplane.pb (trace viewer, op profile, memory) and
-    perfetto_trace.json.gz (ui.perfetto.dev opens it). Every process traces its own devices. The profiler
-    writes local files, so a gs:// run directory's trace is written to a local folder, then uploaded. A run
-    that resumes past START traces the steps it takes of them, or says it traces none. An empty `spec` traces
-    nothing."""
-
-    def __init__(self, spec: str, run_dir: str):
-        start, steps = map(int, spec.split(":")) if spec else (0, 0)
-        self.first, self.last, self.run_dir, self.folder = start, start + steps - 1, run_dir, None
-        self.spec, self.dispatched = spec, False
-
-    def dispatching(self, step: int) -> None:
-        if self.spec and not self.dispatched and step > self.first:  # the run resumed past START
-            self.first = step
-            if step > self.last and jax.process_index() == 0:
-                print(f"--profile {self.spec}: this run starts at step {step}, past them: nothing is traced")
-        self.dispatched = True
-        if step == self.first and step <= self.last:
-            local = tempfile.mkdtemp(prefix="olmo3-profile-") if data.is_url(self.run_dir) else None
-            self.folder = local or data.join(self.run_dir, "profile")
-            jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
-
-    def finished(self, step: int) -> None:
-        if step != self.last or self.folder is None:
-            return
-        jax.profiler.stop_trace()
-        target = data.join(self.run_dir, "profile")
-        if data.is_url(self.run_dir):
-            data.copy_tree(self.folder, target)
-            shutil.rmtree(self.folder)
-        self.folder = None
-        if jax.process_index() == 0:
-            print(
-                f"profile of steps {self.first}-{self.last} in {target}: `xprof --logdir={target}` (pip install "
-                "xprof), or its perfetto_trace.json.gz at ui.perfetto.dev",
-                flush=True,
-            )
-
-
-LOCK_LEASE_S = 300  # a gs:// lock its holder has not renewed for this long is stale: taken over
-LOCK_RENEW_S = 30  # how often the holder of a gs:// lock renews it
-
-
-class RunLock:
-    """One writer per run directory. RUN_DIR/lock names its holder (host, process id and start time, job);
-    a second process refuses at once, naming it. The lock is a file (an object) created only if absent: an
-    O_EXCL open locally, a generation precondition on Cloud Storage; of two processes, one wins.
-
-    A lock whose holder is gone is taken over. On this host that is told by its process. Locally, a lock held
-    on another host is refused (its process cannot be checked from here). On gs://, where a restarted job
-    comes back on other hosts, the holder renews its lock every LOCK_RENEW_S seconds, and a lock not renewed
-    for LOCK_LEASE_S is stale. A stale lock is replaced only at the generation it was read at, so of two
-    processes taking it over, one wins; a holder that finds its lock taken over (it was cut off for longer
-    than the lease) stops at once rather than write beside the new one. Every request rides out the
-    storage's weather (data.patiently): an outage shorter than the lease delays a renewal, and one longer
-    than the lease loses the lock only if another process took it meanwhile.
-
-    With several processes, process 0 takes the lock for the job and the others check that it is theirs. A
-    directory no one can write to (a read-only mount, or a bucket this account may only read: 403) needs no
-    lock: reading it is safe, and whatever would write there is refused then, in one line."""
-
-    def __init__(self, run_dir):
-        self.run_dir = _absolute(run_dir)
-        self.path, self.remote = data.join(self.run_dir, "lock"), data.is_url(self.run_dir)
-        self.held = self.generation = None
-        self.renewing, self.renewer = threading.Event(), None
-
-    def __enter__(self):
-        from jax.experimental import multihost_utils
-
-        many = jax.process_count() > 1
-        job = f"{os.getpid()}-{os.urandom(4).hex()}"  # one job: process 0's name for it, sent to all
-        if many:
-            job = bytes(multihost_utils.broadcast_one_to_all(np.frombuffer(job.encode().ljust(32), np.uint8)))
-            job = job.decode().strip()
-        error = None
-        if jax.process_index() == 0:
-            try:
-                self._take(job)
-            except RunDirError as e:  # every process stops, not only process 0
-                error = e
-        # 0: process 0 could not take it; 1: it holds the lock; 2: none is needed (nothing may be written)
-        outcome = 0 if error else 1 if self.held else 2
-        if many:
-            outcome = int(multihost_utils.broadcast_one_to_all(np.int32(outcome)))
-        if outcome == 0:
-            raise error or RunDirError(f"{self.run_dir}: process 0 could not take the run directory's lock")
-        if many and outcome == 1 and (self._read()[0] or {}).get("job") != job:
-            raise RunDirBusy(
-                f"{self.path} does not hold this job's lock: is {self.run_dir} on storage that every host "
-                "shares?"
-            )
-        return self
-
-    def __exit__(self, *exc):
-        if self.renewer is not None:  # stopped, and its renewal in flight finished: the generation is final
-            self.renewing.set()
-            self.renewer.join()
-        if self.held and self._read()[0] == self.held:  # still ours: not taken over
-            data.remove(self.path, self.generation if self.remote else None)
-        self.held = None
-
-    def _read(self) -> tuple[dict | None, int | None]:
-        """The lock's holder (None: no lock, or one cut short) and, on gs://, the generation it was read at."""
-        if self.remote:
-            text, generation = data.read_versioned(self.path)
-        else:
-            text, generation = (
-                (Path(self.path).read_bytes(), None) if os.path.isfile(self.path) else (None, None)
-            )
-        try:
-            return (json.loads(text) if text else None), generation
-        except json.JSONDecodeError:
-            return None, generation
-
-    def _take(self, job: str) -> None:
-        if not self._writable():  # no process can write here, so none needs the lock
-            return
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": _start_time(os.getpid()),
-            "job": job,
-            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "renewed": time.time(),
-        }
-        seen = 0  # the lock there is to replace: 0, none; else a stale one, as read (its generation on gs://)
-        for _ in range(3):
-            try:
-                taken = self._put(me, seen)
-            except data.StorageRefused:  # a bucket this account may only read: as a read-only mount
-                return
-            if taken:
-                self.held = me
-                if self.remote:
-                    self.renewer = threading.Thread(target=self._renew_until_released, daemon=True)
-                    self.renewer.start()
-                return
-            holder, generation = self._read()
-            if holder and not self._stale(holder, me):
-                raise RunDirBusy(self._busy(holder, me))
-            seen = generation if self.remote else "stale"  # (gone since: generation None, look again)
-        raise RunDirBusy(f"{self.run_dir}: could not take {self.path}; another process keeps taking it")
-
-    def _writable(self) -> bool:
-        """Whether the run directory can be written (made here, where it is a new local one)."""
-        if self.remote:  # a bucket this account may only read is found where the lock is created
-            return True
-        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
-            raise RunDirError(
-                f"--run_dir {self.run_dir} is a file; expected a directory (or a path to create one at)"
-            )
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-        except OSError as e:
-            raise RunDirError(f"--run_dir {self.run_dir}: cannot create it ({e.strerror or e})") from None
-        return os.access(self.run_dir, os.W_OK)
-
-    def _put(self, me: dict, seen) -> bool:
-        """Write the lock naming `me` where there is none (`seen` 0) or the stale one `seen` is still there;
-        False if another is there: of two processes, one wins. Locally the stale lock is set aside by a rename
-        (one process does it) and the lock created only if absent (O_EXCL). On gs:// the object is written only
-        at the generation seen (0: none), a single request that replaces a stale lock with no moment between."""
-        text = json.dumps(me)
-        if self.remote:
-            try:
-                generation = data.replace(self.path, text, seen) if seen else data.create(self.path, text)
-            except data.StorageRefused:
-                raise
-            except data.StorageError as e:  # no such bucket, say
-                raise RunDirError(f"--run_dir {self.run_dir}: cannot create {self.path} ({e})") from None
-            self.generation = generation
-            return generation is not None
-        if seen:
-            stale = f"{self.path}.stale-{os.getpid()}"
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(self.path, stale)
-                os.remove(stale)
-        return data.create(self.path, text) is not None
-
-    def _stale(self, holder: dict, me: dict) -> bool:
-        """Whether the holder is gone: its process, on this host; on gs://, a lease not renewed in time."""
-        if holder["host"] == me["host"]:
-            return _start_time(holder["pid"]) != holder["started"]
-        return self.remote and time.time() - holder.get("renewed", 0) > LOCK_LEASE_S
-
-    def _busy(self, holder: dict, me: dict) -> str:
-        where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
-        lease = ""
-        if self.remote and holder["host"] != me["host"]:
-            ago = time.time() - holder.get("renewed", 0)
-            lease = f", renewed {ago:.0f} s ago: taken over once not renewed for {LOCK_LEASE_S} s"
-        return (
-            f"{self.run_dir} is in use by process {holder['pid']}{where} (since {holder['since']}{lease}); "
-            f"wait for it, use another --run_dir, or, if that process is gone, remove {self.path}"
-        )
-
-    def renew(self) -> None:
-        """Renew a gs:// lock's lease, at the generation it was last written at; RunDirBusy if another process
-        has taken it over since."""
-        self.held = dict(self.held, renewed=time.time())
-        generation = data.replace(self.path, json.dumps(self.held), self.generation)
-        if generation is None:
-            raise RunDirBusy(
-                f"{self.path} was taken over by another process (this one did not renew it for "
-                f"{LOCK_LEASE_S} s): stopping rather than write beside it"
-            )
-        self.generation = generation
-
-    def _renew_until_released(self) -> None:
-        """The lease, renewed in the background until __exit__. A renewal that fails (the storage out for
-        longer than the patience) is said and tried again; a lock taken over ends the process at once (exit 1):
-        two writers would corrupt the run."""
-        while not self.renewing.wait(LOCK_RENEW_S):
-            try:
-                self.renew()
-            except RunDirBusy as e:
-                print(f"error: {e}", file=sys.stderr, flush=True)
-                os._exit(1)
-            except (data.StorageUnavailable, data.StorageError) as e:  # the next renewal may succeed
-                print(f"warning: could not renew {self.path} ({e}); trying again", file=sys.stderr)
-
-
-def _start_time(pid: int) -> str | None:
-    """When process `pid` started (Linux clock ticks since boot), or None if there is no such process: a
-    process id reused by a later process does not look like the lock's holder."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except FileNotFoundError:
-        return None
-    except OSError:  # no /proc (not Linux): whether the process exists is all that can be told
-        try:
-            os.kill(pid, 0)
-            return "alive"
-        except ProcessLookupError:
-            return None
-
-
-def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: str | None) -> None:
-    """A run was accepted: its config is the run directory's now, and so is the tiny tokenizer, if the run
-    has one (token files made elsewhere may come without it), which `ckpt.py to-hf` ships with the weights."""
-    if jax.process_index() != 0:
-        return
-    try:
-        data.write_file(data.join(run_dir, "config.json"), json.dumps(config, indent=2))
-        tiny = data.tiny_tokenizer_file(tokenizer_path)
-        if tokenizer == "tiny" and os.path.exists(tiny):
-            data.write_file(data.join(run_dir, "tokenizer.json"), Path(tiny).read_text())
-    except OSError as e:
-        raise _unwritable(run_dir, e) from e
-
-
-def log_error(run_dir, what: str, e: BaseException) -> None:
-    """Append the full story of error `e` (its traceback, causes included) to RUN_DIR/log.txt, under `what`
-    and the time: the one-line message a user sees summarises it. Process 0 writes; a log that cannot be
-    written is said in a line, never raised over the error being reported."""
-    if jax.process_index() != 0:
-        return
-    story = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{format_traceback(e)}\n"
-    try:
-        data.append(data.join(run_dir, "log.txt"), story)
-    except Exception as failed:  # said, never raised over the error being reported
-        print(f"also: could not write {data.join(run_dir, 'log.txt')}: {failed}", file=sys.stderr)
-
-
-# One traceback formatted at a time, whichever thread: CPython 3.11 places a frame's ^^^ markers with
-# ast.parse, whose state all threads share, and two at once can fail with "SystemError: AST constructor
-# recursion depth mismatch" (python/cpython#106905). Orbax's late reports come on TensorStore's threads,
-# while this one may be logging the error they follow. Reentrant: a report may come from a finalizer that
-# the garbage collector runs inside a formatting.
-_FORMATTING = threading.RLock()
-
-
-def format_traceback(e: BaseException) -> str:
-    with _FORMATTING:
-        return "".join(traceback.format_exception(e))
-
-
-@contextlib.contextmanager
-def errors_logged(run_dir, unless: tuple = ()):
-    """Log (log_error) every error that stops the run inside, and let it go on: where RUN_DIR holds a run
-    (its config.json; nothing is created to hold a log, and a first run refused before it starts leaves the
-    directory as it found it), and not for `unless` (bad usage), a RunDirError (a directory this process
-    may not write to) nor an outage of the storage (the log is there too: the line said is the story)."""
-    try:
-        yield
-    except Exception as e:
-        quiet = (RunDirError, data.StorageUnavailable, *unless)
-        if not isinstance(e, quiet) and data.exists(data.join(run_dir, "config.json")):
-            log_error(run_dir, "the run stopped", e)
-        raise
-
-
-class Preemption:
-    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
-    (a checkpoint counts only once Orbax has written its commit marker, so the last committed one is never
-    harmed). With several processes,
-    JAX's preemption service tells every process the same step instead (a Python handler here would
-    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
-
-    def __enter__(self):
-        self.signals, self.before = 0, {}
-        if jax.process_count() == 1:
-            self.before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self.before.items():  # the caller's handlers again (a test, a notebook)
-            signal.signal(s, handler)
-
-    def on_signal(self, signum, frame):
-        self.signals += 1
-        if self.signals > 1:
-            os._exit(128 + signum)
-        print(f"\nsignal {signum}: saving at the next step boundary, then exiting", flush=True)
-
-    def requested(self, step: int, checkpoints: "Checkpoints") -> bool:
-        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
-
-
 # ---------------------------------------------------------------------------------------------------------
-# The metrics log (metrics.jsonl, TensorBoard, W&B), the progress bar and the plots.
-
-
-# Our metrics row's keys under the names OLMo-core logs them (v3.0.0), so a W&B run overlays AI2's curves:
-# train/common.py (TRAIN_CE_LOSS_METRIC, OPTIM_GRAD_NORM_METRIC), train/train_module/transformer/
-# train_module.py ("Z loss", "LR (group i)", "step skipped", "masked instances (%)") and
-# train/callbacks/speed_monitor.py (throughput/...). Its throughput is per device (TPS: a rank's tokens
-# over the ranks that share them), so ours is divided by the devices; its MFU is a percentage, its masked
-# instances a proportion of the batch.
-OLMO_CORE_NAMES = {
-    "ce_loss": "train/CE loss",
-    "z_loss": "train/Z loss",  # with its multiplier, as OLMo-core's
-    "grad_norm": "optim/total grad norm",
-    "lr": "optim/LR (group 0)",
-    "skipped": "optim/step skipped",
-    "filtered": "train/masked instances (%)",
-    "tokens_per_s": "throughput/device/TPS",
-    "mfu": "throughput/device/MFU",
-    "tokens": "throughput/total tokens",
-    "data_wait_s": "throughput/device/data loading (s)",
-}
-
-
-def olmo_core_metrics(row: dict, devices: int, batch: int) -> dict:
-    """A metrics row as OLMo-core logs it; keys already in its form (eval/lm/..., eval/downstream/...) pass
-    unchanged. Left out: step (W&B's own), loss (CE + Z: OLMo-core logs the two), eval_loss and eval_ppl
-    (the first set's eval/lm/... again) and batch_hash (not a number)."""
-    scale = dict(tokens_per_s=1 / devices, mfu=100, filtered=1 / batch)
-    out = {k: v for k, v in row.items() if "/" in k}
-    out |= {name: row[k] * scale.get(k, 1) for k, name in OLMO_CORE_NAMES.items() if row.get(k) is not None}
-    if "lr" in row:  # OLMo 3's two groups (embeddings without weight decay, the rest) share the schedule
-        out["optim/LR (group 1)"] = row["lr"]
-    if row.get("ce_loss", math.inf) < 10:  # trainer.py adds train/PPL below a CE of 10
-        out["train/PPL"] = math.exp(row["ce_loss"])
-    return out
-
-
-def wandb_records(path: Path):
-    """The records (wandb's Record protos) of a W&B transaction log, run-ID.wandb: LevelDB's log format, a
-    7-byte file header, then 32 KiB blocks of chunks (CRC, length, type). A tail torn by a kill ends it."""
-    from wandb.proto import wandb_internal_pb2
-
-    raw, pos, record = path.read_bytes(), 7, b""
-    while pos + 7 <= len(raw):
-        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a chunk header is padding
-            pos += left
-            continue
-        _, size, kind = struct.unpack("<IHB", raw[pos : pos + 7])
-        if kind == 0 or pos + 7 + size > len(raw):
-            return
-        record, pos = record + raw[pos + 7 : pos + 7 + size], pos + 7 + size
-        if kind in (1, 4):  # a full record, or a fragmented one's last chunk
-            yield wandb_internal_pb2.Record.FromString(record)
-            record = b""
-
-
-@dataclasses.dataclass(frozen=True)
-class WandbRun:
-    """Where --wandb logs (entity and credentials: wandb's environment), and what makes our rows OLMo-core's."""
-
-    project: str
-    name: str | None  # None: W&B names it
-    config: dict
-    devices: int
-    batch: int  # instances per step
-
-
-METRICS_FLUSH_S = 10.0  # on gs://, rows are stored at most this often (and before each checkpoint)
-
-
-class MetricsLog:
-    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (its keys eval_loss, eval/...), as
-    of the checkpoint the run continues from; optionally TensorBoard and Weights & Biases too. Only process 0
-    writes.
-
-    A local file has each row as it comes. A Cloud Storage object cannot be appended to, so on gs:// rows are
-    held and stored a batch at a time by data.append (uploaded, then composed onto the end of the object on the
-    server: no row is sent twice, and readers see the file whole): every METRICS_FLUSH_S seconds at most (GCS
-    takes about one write a second to an object), before each checkpoint (flush, which train.py's save calls)
-    and at close. A kill -9 so loses only rows past the newest checkpoint, which the resume takes again, and
-    rewind drops the rows stored past it: after kills and resumes the file holds one row per step, as a local
-    one does."""
-
-    def __init__(self, run_dir, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
-        self.run_dir, self.lead = _absolute(run_dir), lead
-        self.path = data.join(self.run_dir, "metrics.jsonl")
-        self.tensorboard, self.wandb = tensorboard, wandb
-        self.file = self.tb = self.wb = None
-        self.opened, self.pending, self.flushed = False, [], time.monotonic()
-        self.wb_held = -1  # the last step the W&B run holds
-
-    def rewind(self, step: int) -> None:
-        """Drop the rows past `step` (the steps about to be taken again): atomically, the old file kept until
-        the new one is complete. A torn last line goes too."""
-        if not self.lead:
-            return
-        for part in data.objects(f"{self.path}.part-") if data.is_url(self.path) else ():
-            data.remove(part)  # an upload a kill left before it was composed: rows past the checkpoint
-        if not data.exists(self.path):
-            return
-        rows, text = [], data.read_text(self.path)
-        for line in text.splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a kill
-                continue
-            if row["step"] <= step:
-                rows.append(line + "\n")
-        if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
-            return
-        try:
-            data.write_file(self.path, "".join(rows))
-        except OSError as e:
-            raise _unwritable(self.run_dir, e) from e
-
-    def open(self) -> None:
-        """Open what the rows go to: at the first row, or before (a run about to train opens it before its
-        step compiles, so that W&B refusing it, say for want of a key, costs no compilation)."""
-        if not self.lead or self.opened:
-            return
-        if self.wandb:  # first: it sends the rows already written that W&B lacks
-            self.open_wandb()
-        try:
-            self.file = None if data.is_url(self.path) else open(self.path, "a")  # noqa: SIM115 - close()
-        except OSError as e:
-            raise _unwritable(self.run_dir, e) from e
-        if self.tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self.tb = SummaryWriter(data.join(self.run_dir, "tb"))
-        self.opened = True
-
-    def write(self, row: dict) -> None:
-        if not self.lead:
-            return
-        self.open()
-        self.pending.append(json.dumps(row) + "\n")
-        if self.file is not None or time.monotonic() - self.flushed >= METRICS_FLUSH_S:
-            self.flush()
-        for k, v in row.items() if self.tb else ():
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.tb.add_scalar(k, v, row["step"])
-        self.send(row)
-
-    def open_wandb(self) -> None:
-        """Continue the run directory's W&B run (its id in RUN_DIR/wandb_id) and send it the rows it lacks.
-        W&B history cannot be rewritten, and a killed process loses what wandb had not yet flushed, so what
-        the W&B run holds is asked of W&B itself: the server (the step of the next log) or, offline, the run's
-        transaction logs in RUN_DIR/wandb. Rows at steps it holds are never sent again (a step retaken after
-        a resume keeps its first values there: the same numbers, as a resume is exact, but for the
-        throughput); rows it lost are sent from metrics.jsonl."""
-        import wandb
-
-        id_file, cfg = data.join(self.run_dir, "wandb_id"), self.wandb
-        run_id = data.read_text(id_file).strip() if data.exists(id_file) else None  # None: W&B makes one
-        # wandb writes its own files with local file calls: for a gs:// run they stay on this host, in a
-        # temporary folder named after the run (the W&B run itself lives on W&B's server).
-        own = Path(self.run_dir)
-        if data.is_url(self.run_dir):
-            own = Path(tempfile.gettempdir()) / "olmo3-jax-wandb" / self.run_dir.partition("://")[2]
-            own.mkdir(parents=True, exist_ok=True)
-        self.wb = wandb.init(
-            project=cfg.project, name=cfg.name, id=run_id, resume="allow", dir=own, config=cfg.config
-        )
-        run_id = self.wb.id
-        data.write_file(id_file, run_id)
-        if self.wb.offline:
-            logs = own.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")
-            held = (r.history.step.num for log in logs for r in wandb_records(log) if r.HasField("history"))
-            self.wb_held = max(held, default=-1)
-        else:
-            self.wb_held = self.wb.step - 1
-        for line in data.read_text(self.path).splitlines() if data.exists(self.path) else ():
-            self.send(json.loads(line))
-
-    def send(self, row: dict) -> None:
-        """One row to W&B at its step (a step's train and eval rows make one W&B row), unless W&B holds it."""
-        if self.wb is not None and row["step"] > self.wb_held:
-            self.wb.log(olmo_core_metrics(row, self.wandb.devices, self.wandb.batch), step=row["step"])
-
-    def flush(self) -> None:
-        """Store the rows held back (on gs://; a local file has each row as it comes)."""
-        if not self.pending:
-            return
-        text, self.pending = "".join(self.pending), []
-        try:
-            if self.file is not None:
-                self.file.write(text)
-                self.file.flush()
-            else:
-                data.append(self.path, text)
-        except OSError as e:  # a full disk, a bucket that refuses: the run stops in one line
-            raise RunDirError(f"{self.path}: could not store the metrics rows ({e.strerror or e})") from e
-        self.flushed = time.monotonic()
-
-    def close(self) -> None:
-        if self.lead:
-            self.flush()
-        for f in (self.file, self.tb):
-            if f is not None:
-                f.close()
-        if self.wb is not None:
-            self.wb.finish()
-
-
-class Progress:
-    """The progress bar, and tokens/s: the steps of the last 20 over the training time they took, on a clock
-    that runs from before a step is dispatched to when its numbers arrive and stops while the run saves or
-    evaluates (pause, resume), so that no step's rate counts those; waiting for data does count. The first
-    step (after a start or a resume, so with the compilation) is timed alone, and later windows start after
-    it. Times are taken where the loop reads a step's numbers, one step behind the dispatch: over a window,
-    the steps' times add up to the time the window took."""
-
-    def __init__(self, start: int, steps: int, tokens_per_step: int):
-        lead = jax.process_index() == 0
-        self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
-        self.tokens_per_step, self.rate = tokens_per_step, 0.0
-        self.trained, self.since = 0.0, time.perf_counter()  # seconds trained before `since`, when it resumed
-        self.times, self.first = deque([0.0], 21), True  # the clock at the window's start and at each step
-
-    def clock(self) -> float:
-        """Seconds spent training so far (saves and evaluations left out)."""
-        return self.trained + (0.0 if self.since is None else time.perf_counter() - self.since)
-
-    def tick(self, loss: float) -> float:
-        """A step's numbers arrived: move the bar on, showing its loss. Returns tokens/s."""
-        self.times.append(self.clock())
-        elapsed = max(self.times[-1] - self.times[0], 1e-9)
-        self.rate = self.tokens_per_step * (len(self.times) - 1) / elapsed
-        if self.first:  # the compilation stays in the first step's rate alone
-            self.times, self.first = deque([self.times[-1]], 21), False
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.rate:,.0f}")
-        return self.rate
-
-    def pause(self) -> None:
-        self.trained, self.since = self.clock(), None
-
-    def resume(self) -> None:
-        self.since = time.perf_counter()
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files, no window
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _metric_rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in data.read_text(data.join(run_dir, "metrics.jsonl")).splitlines()]
-
-
-def _save_figure(fig, path: str, dpi: int) -> None:
-    """A figure as a PNG file, local or in a bucket (savefig writes to bytes; the storage layer stores them)."""
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=dpi)
-    data.write_file(path, png.getvalue())
-
-
-def _name(run_dir) -> str:
-    return str(run_dir).rstrip("/").rsplit("/", 1)[-1]
-
-
-def plot_losses(run_dir) -> list[str]:
-    """RUN_DIR/loss.png: the train loss and each held-out set's CE loss over the steps. Returns the curves'
-    labels."""
-    plt, rows = _pyplot(), _metric_rows(run_dir)
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    held = dict.fromkeys(k for r in rows for k in r if k.startswith("eval/lm/") and k.endswith("/CE loss"))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=0.8)
-    for key in held:  # each held-out set's curve, labelled as OLMo-core labels it
-        label = key.removeprefix("eval/lm/").removesuffix("/CE loss")
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", label=f"held-out {label}", ms=3)
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=_name(run_dir))
-    ax.legend(fontsize="small")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    _save_figure(fig, data.join(run_dir, "loss.png"), dpi=120)
-    plt.close(fig)
-    return [line.get_label() for line in ax.get_lines()]
-
-
-def plot_downstream(run_dir) -> list[str]:
-    """RUN_DIR/downstream.png, where the run evaluated downstream tasks: a panel per task, its own metric
-    (ICLMetric's first, as train.py prints it) over the steps. Returns the panels' titles."""
-    plt, rows = _pyplot(), _metric_rows(run_dir)
-    firsts = {}  # task -> its first metric's key, in the row's order
-    for key in (
-        k for r in rows for k in r if k.startswith("eval/downstream/") and "(requests truncated)" not in k
-    ):
-        firsts.setdefault(key.removeprefix("eval/downstream/").rsplit(" (", 1)[0], key)
-    if not firsts:
-        return []
-    columns = min(len(firsts), 6)
-    n_rows = -(-len(firsts) // columns)
-    fig, axes = plt.subplots(n_rows, columns, figsize=(2.6 * columns, 2.1 * n_rows), squeeze=False)
-    for ax, (task, key) in zip(axes.flat, firsts.items()):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", ms=3)
-        ax.set_title(f"{task}\n{key.rsplit(' (', 1)[1][:-1]}", fontsize=7)
-        ax.tick_params(labelsize=6)
-        ax.grid(alpha=0.3)
-    for ax in axes.flat[len(firsts) :]:
-        ax.axis("off")
-    fig.suptitle(f"{_name(run_dir)}: downstream tasks over the steps", fontsize=9)
-    fig.tight_layout()
-    _save_figure(fig, data.join(run_dir, "downstream.png"), dpi=110)
-    plt.close(fig)
-    return [ax.get_title() for ax in axes.flat[: len(firsts)]]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Checkpoints (Orbax): checksums, the Checkpoints of a run, and the check that a resume continues the same run.
+# Checkpoints (Orbax): checksums, the Checkpoints of a run, what a damaged one is and how it is set aside (and
+# moved back), and the check that a resume continues the same run.
 
 
 @jax.jit
@@ -1180,6 +551,18 @@ class Checkpoints:
         self._open()  # the manager caches its list of steps
 
 
+def unfinished_writes(folder) -> list[str]:
+    """The folders of a checkpoint folder (local or gs://) that are no checkpoint: a save in flight, or cut short
+    (no commit marker; or, from before commit markers, a temporary name)."""
+    if not data.is_dir(folder):
+        return []
+    files = set(data.listing(folder))
+    steps = {name.split("/")[0] for name in files if "/" in name}
+    if not data.is_url(folder):  # a folder Orbax made before writing a file in it
+        steps |= {name for name in os.listdir(folder) if os.path.isdir(os.path.join(folder, name))}
+    return sorted(s for s in steps if ".orbax-checkpoint-tmp" in s or f"{s}/{COMMIT_MARKER}" not in files)
+
+
 def format_of(path) -> str:
     """What directory `path` (local or gs://) holds: "run" (one of ours: checkpoints/), "olmo-core" (an
     OLMo-core step directory: model_and_optim/) or "hf" (a Hugging Face model: config.json); else one line
@@ -1214,6 +597,59 @@ def quarantined_steps(run_dir) -> list[str]:
     """The checkpoints a run has set aside as corrupt: RUN_DIR/quarantined/<step>-<time>, oldest first."""
     folder = data.join(run_dir, "quarantined")
     return sorted({name.split("/")[0] for name in data.listing(folder)}) if data.is_dir(folder) else []
+
+
+def restore_quarantined(run_dir, step: int | None = None) -> list[tuple[str, str]]:
+    """Move the checkpoints a run set aside as corrupt (RUN_DIR/quarantined/<step>-<time>) back into its
+    checkpoints/, for when the storage, not the bytes, was at fault: the next run reads them again, and sets
+    aside any that truly fail their checksums. `step`: that step's alone. Of several copies of a step, the
+    newest moves. Refused where checkpoints/ holds that step already. Returns each (from, to) moved."""
+    run_dir = _absolute(run_dir)
+    with RunLock(run_dir):
+        newest = {
+            name.split("-")[0]: name for name in quarantined_steps(run_dir)
+        }  # sorted: the last is newest
+        if step is not None:
+            newest = {k: v for k, v in newest.items() if k == str(step)}
+        if not newest:
+            which = f" of step {step}" if step is not None else ""
+            raise FileNotFoundError(
+                f"{data.join(run_dir, 'quarantined')} holds no checkpoint{which} to restore"
+            )
+        moves = [
+            (data.join(run_dir, "quarantined", name), data.join(run_dir, "checkpoints", k))
+            for k, name in sorted(newest.items(), key=lambda kv: int(kv[0]))
+        ]
+        for source, target in moves:
+            if data.is_dir(target):
+                raise FileExistsError(f"{target} exists already; {source} stays where it is")
+        for source, target in moves:
+            data.move_tree(source, target, COMMIT_MARKER)
+    return moves
+
+
+def list_checkpoints(run_dir) -> list[dict]:
+    """Every committed checkpoint of a run with its size, time and whether it reads back intact; reads only."""
+    ckpts = Checkpoints(run_dir, read_only=True)
+    rows = []
+    try:
+        for step in ckpts.steps():
+            row = dict(
+                step=step,
+                size=data.tree_size(data.join(ckpts.dir, str(step))),
+                time=None,
+                valid=True,
+                problem="",
+            )
+            try:
+                _, _, meta = ckpts.read(step)
+                row["time"] = meta.get("time")
+            except CorruptCheckpoint as e:
+                row.update(valid=False, problem=str(e))
+            rows.append(row)
+    finally:
+        ckpts.close()
+    return rows
 
 
 def check_run_start(run_dir, step: int | None, cfg: Olmo3Config, as_run, weights_only: bool) -> None:
@@ -1294,6 +730,7 @@ def check_resume(meta: dict, expected: dict, recipe_fields, allow_change: bool, 
 # ---------------------------------------------------------------------------------------------------------
 # The Hugging Face format: the key map, the config, reading a part of each tensor, saving, export and import.
 
+
 # (our leaf, HF tensor, axes of our leaf that form torch's `in` dimension). HF stores Linear weights as
 # [out, in]; we store [in..., out...], so a matrix is transposed and its grouped axes (heads, head_dim)
 # flattened. n_in == 0 marks a vector or the embedding, which keeps its layout.
@@ -1310,12 +747,15 @@ HF_LAYER_KEYS = [
     ("mlp.down_proj", "mlp.down_proj.weight", 1),
     ("post_feedforward_layernorm", "post_feedforward_layernorm.weight", 0),
 ]
+
 HF_MODEL_KEYS = [
     ("embed_tokens", "model.embed_tokens.weight", 0),
     ("norm", "model.norm.weight", 0),
     ("lm_head", "lm_head.weight", 1),
 ]
+
 HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
 VOCAB_LEAVES = ("embed_tokens", "lm_head")  # padded to a multiple of 128 here, cut to vocab_size in HF
 
 
@@ -1879,6 +1319,7 @@ def write_first_step(run_dir, model: Olmo3, train_state: dict | None, *sources) 
 # and each chunk's bytes a `torch.save` zip (filesystem.py's FileSystemWriter: data.pkl + the raw storage),
 # both read by a restricted unpickler that builds plain stand-ins; the tensor bytes are read with numpy.
 
+
 # OLMo-core's parameter names for HF's (olmo_core/nn/hf/convert.py; OLMo 3's block is the reordered-norm one,
 # whose norms come after attention and MLP). q, k and v are separate Linear weights, [out, in] as in HF.
 OLMO_CORE_MODEL_KEYS = {
@@ -1886,6 +1327,7 @@ OLMO_CORE_MODEL_KEYS = {
     "model.norm.weight": "lm_head.norm.weight",
     "lm_head.weight": "lm_head.w_out.weight",
 }
+
 OLMO_CORE_LAYER_KEYS = {
     "self_attn.q_proj.weight": "attention.w_q.weight",
     "self_attn.k_proj.weight": "attention.w_k.weight",
@@ -1899,9 +1341,12 @@ OLMO_CORE_LAYER_KEYS = {
     "mlp.up_proj.weight": "feed_forward.w3.weight",
     "post_feedforward_layernorm.weight": "feed_forward_norm.weight",
 }
+
 # The optimizer state OLMo-core's AdamW and SkipStepAdamW keep per parameter, as the checkpoint names it.
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
 DCP_DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16, "float64": np.float64}
+
 TORCH_STORAGES = {"FloatStorage": np.float32, "BFloat16Storage": jnp.bfloat16, "HalfStorage": np.float16}
 
 
@@ -2238,72 +1683,657 @@ def average(run_a, run_b, out, different_steps: bool = False) -> tuple[int, int]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The command line
+# The run directory's services: one writer at a time (the lock), log.txt and the errors' stories, the run's
+# files, preemption.
 
 
-def unfinished_writes(folder) -> list[str]:
-    """The folders of a checkpoint folder (local or gs://) that are no checkpoint: a save in flight, or cut short
-    (no commit marker; or, from before commit markers, a temporary name)."""
-    if not data.is_dir(folder):
-        return []
-    files = set(data.listing(folder))
-    steps = {name.split("/")[0] for name in files if "/" in name}
-    if not data.is_url(folder):  # a folder Orbax made before writing a file in it
-        steps |= {name for name in os.listdir(folder) if os.path.isdir(os.path.join(folder, name))}
-    return sorted(s for s in steps if ".orbax-checkpoint-tmp" in s or f"{s}/{COMMIT_MARKER}" not in files)
+LOCK_LEASE_S = 300  # a gs:// lock its holder has not renewed for this long is stale: taken over
+
+LOCK_RENEW_S = 30  # how often the holder of a gs:// lock renews it
 
 
-def restore_quarantined(run_dir, step: int | None = None) -> list[tuple[str, str]]:
-    """Move the checkpoints a run set aside as corrupt (RUN_DIR/quarantined/<step>-<time>) back into its
-    checkpoints/, for when the storage, not the bytes, was at fault: the next run reads them again, and sets
-    aside any that truly fail their checksums. `step`: that step's alone. Of several copies of a step, the
-    newest moves. Refused where checkpoints/ holds that step already. Returns each (from, to) moved."""
-    run_dir = _absolute(run_dir)
-    with RunLock(run_dir):
-        newest = {
-            name.split("-")[0]: name for name in quarantined_steps(run_dir)
-        }  # sorted: the last is newest
-        if step is not None:
-            newest = {k: v for k, v in newest.items() if k == str(step)}
-        if not newest:
-            which = f" of step {step}" if step is not None else ""
-            raise FileNotFoundError(
-                f"{data.join(run_dir, 'quarantined')} holds no checkpoint{which} to restore"
-            )
-        moves = [
-            (data.join(run_dir, "quarantined", name), data.join(run_dir, "checkpoints", k))
-            for k, name in sorted(newest.items(), key=lambda kv: int(kv[0]))
-        ]
-        for source, target in moves:
-            if data.is_dir(target):
-                raise FileExistsError(f"{target} exists already; {source} stays where it is")
-        for source, target in moves:
-            data.move_tree(source, target, COMMIT_MARKER)
-    return moves
+class RunLock:
+    """One writer per run directory. RUN_DIR/lock names its holder (host, process id and start time, job);
+    a second process refuses at once, naming it. The lock is a file (an object) created only if absent: an
+    O_EXCL open locally, a generation precondition on Cloud Storage; of two processes, one wins.
 
+    A lock whose holder is gone is taken over. On this host that is told by its process. Locally, a lock held
+    on another host is refused (its process cannot be checked from here). On gs://, where a restarted job
+    comes back on other hosts, the holder renews its lock every LOCK_RENEW_S seconds, and a lock not renewed
+    for LOCK_LEASE_S is stale. A stale lock is replaced only at the generation it was read at, so of two
+    processes taking it over, one wins; a holder that finds its lock taken over (it was cut off for longer
+    than the lease) stops at once rather than write beside the new one. Every request rides out the
+    storage's weather (data.patiently): an outage shorter than the lease delays a renewal, and one longer
+    than the lease loses the lock only if another process took it meanwhile.
 
-def list_checkpoints(run_dir) -> list[dict]:
-    """Every committed checkpoint of a run with its size, time and whether it reads back intact; reads only."""
-    ckpts = Checkpoints(run_dir, read_only=True)
-    rows = []
-    try:
-        for step in ckpts.steps():
-            row = dict(
-                step=step,
-                size=data.tree_size(data.join(ckpts.dir, str(step))),
-                time=None,
-                valid=True,
-                problem="",
-            )
+    With several processes, process 0 takes the lock for the job and the others check that it is theirs. A
+    directory no one can write to (a read-only mount, or a bucket this account may only read: 403) needs no
+    lock: reading it is safe, and whatever would write there is refused then, in one line."""
+
+    def __init__(self, run_dir):
+        self.run_dir = _absolute(run_dir)
+        self.path, self.remote = data.join(self.run_dir, "lock"), data.is_url(self.run_dir)
+        self.held = self.generation = None
+        self.renewing, self.renewer = threading.Event(), None
+
+    def __enter__(self):
+        from jax.experimental import multihost_utils
+
+        many = jax.process_count() > 1
+        job = f"{os.getpid()}-{os.urandom(4).hex()}"  # one job: process 0's name for it, sent to all
+        if many:
+            job = bytes(multihost_utils.broadcast_one_to_all(np.frombuffer(job.encode().ljust(32), np.uint8)))
+            job = job.decode().strip()
+        error = None
+        if jax.process_index() == 0:
             try:
-                _, _, meta = ckpts.read(step)
-                row["time"] = meta.get("time")
-            except CorruptCheckpoint as e:
-                row.update(valid=False, problem=str(e))
-            rows.append(row)
-    finally:
-        ckpts.close()
-    return rows
+                self._take(job)
+            except RunDirError as e:  # every process stops, not only process 0
+                error = e
+        # 0: process 0 could not take it; 1: it holds the lock; 2: none is needed (nothing may be written)
+        outcome = 0 if error else 1 if self.held else 2
+        if many:
+            outcome = int(multihost_utils.broadcast_one_to_all(np.int32(outcome)))
+        if outcome == 0:
+            raise error or RunDirError(f"{self.run_dir}: process 0 could not take the run directory's lock")
+        if many and outcome == 1 and (self._read()[0] or {}).get("job") != job:
+            raise RunDirBusy(
+                f"{self.path} does not hold this job's lock: is {self.run_dir} on storage that every host "
+                "shares?"
+            )
+        return self
+
+    def __exit__(self, *exc):
+        if self.renewer is not None:  # stopped, and its renewal in flight finished: the generation is final
+            self.renewing.set()
+            self.renewer.join()
+        if self.held and self._read()[0] == self.held:  # still ours: not taken over
+            data.remove(self.path, self.generation if self.remote else None)
+        self.held = None
+
+    def _read(self) -> tuple[dict | None, int | None]:
+        """The lock's holder (None: no lock, or one cut short) and, on gs://, the generation it was read at."""
+        if self.remote:
+            text, generation = data.read_versioned(self.path)
+        else:
+            text, generation = (
+                (Path(self.path).read_bytes(), None) if os.path.isfile(self.path) else (None, None)
+            )
+        try:
+            return (json.loads(text) if text else None), generation
+        except json.JSONDecodeError:
+            return None, generation
+
+    def _take(self, job: str) -> None:
+        if not self._writable():  # no process can write here, so none needs the lock
+            return
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": _start_time(os.getpid()),
+            "job": job,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "renewed": time.time(),
+        }
+        seen = 0  # the lock there is to replace: 0, none; else a stale one, as read (its generation on gs://)
+        for _ in range(3):
+            try:
+                taken = self._put(me, seen)
+            except data.StorageRefused:  # a bucket this account may only read: as a read-only mount
+                return
+            if taken:
+                self.held = me
+                if self.remote:
+                    self.renewer = threading.Thread(target=self._renew_until_released, daemon=True)
+                    self.renewer.start()
+                return
+            holder, generation = self._read()
+            if holder and not self._stale(holder, me):
+                raise RunDirBusy(self._busy(holder, me))
+            seen = generation if self.remote else "stale"  # (gone since: generation None, look again)
+        raise RunDirBusy(f"{self.run_dir}: could not take {self.path}; another process keeps taking it")
+
+    def _writable(self) -> bool:
+        """Whether the run directory can be written (made here, where it is a new local one)."""
+        if self.remote:  # a bucket this account may only read is found where the lock is created
+            return True
+        if os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise RunDirError(
+                f"--run_dir {self.run_dir} is a file; expected a directory (or a path to create one at)"
+            )
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(f"--run_dir {self.run_dir}: cannot create it ({e.strerror or e})") from None
+        return os.access(self.run_dir, os.W_OK)
+
+    def _put(self, me: dict, seen) -> bool:
+        """Write the lock naming `me` where there is none (`seen` 0) or the stale one `seen` is still there;
+        False if another is there: of two processes, one wins. Locally the stale lock is set aside by a rename
+        (one process does it) and the lock created only if absent (O_EXCL). On gs:// the object is written only
+        at the generation seen (0: none), a single request that replaces a stale lock with no moment between."""
+        text = json.dumps(me)
+        if self.remote:
+            try:
+                generation = data.replace(self.path, text, seen) if seen else data.create(self.path, text)
+            except data.StorageRefused:
+                raise
+            except data.StorageError as e:  # no such bucket, say
+                raise RunDirError(f"--run_dir {self.run_dir}: cannot create {self.path} ({e})") from None
+            self.generation = generation
+            return generation is not None
+        if seen:
+            stale = f"{self.path}.stale-{os.getpid()}"
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.path, stale)
+                os.remove(stale)
+        return data.create(self.path, text) is not None
+
+    def _stale(self, holder: dict, me: dict) -> bool:
+        """Whether the holder is gone: its process, on this host; on gs://, a lease not renewed in time."""
+        if holder["host"] == me["host"]:
+            return _start_time(holder["pid"]) != holder["started"]
+        return self.remote and time.time() - holder.get("renewed", 0) > LOCK_LEASE_S
+
+    def _busy(self, holder: dict, me: dict) -> str:
+        where = "" if holder["host"] == me["host"] else f" on host {holder['host']}"
+        lease = ""
+        if self.remote and holder["host"] != me["host"]:
+            ago = time.time() - holder.get("renewed", 0)
+            lease = f", renewed {ago:.0f} s ago: taken over once not renewed for {LOCK_LEASE_S} s"
+        return (
+            f"{self.run_dir} is in use by process {holder['pid']}{where} (since {holder['since']}{lease}); "
+            f"wait for it, use another --run_dir, or, if that process is gone, remove {self.path}"
+        )
+
+    def renew(self) -> None:
+        """Renew a gs:// lock's lease, at the generation it was last written at; RunDirBusy if another process
+        has taken it over since."""
+        self.held = dict(self.held, renewed=time.time())
+        generation = data.replace(self.path, json.dumps(self.held), self.generation)
+        if generation is None:
+            raise RunDirBusy(
+                f"{self.path} was taken over by another process (this one did not renew it for "
+                f"{LOCK_LEASE_S} s): stopping rather than write beside it"
+            )
+        self.generation = generation
+
+    def _renew_until_released(self) -> None:
+        """The lease, renewed in the background until __exit__. A renewal that fails (the storage out for
+        longer than the patience) is said and tried again; a lock taken over ends the process at once (exit 1):
+        two writers would corrupt the run."""
+        while not self.renewing.wait(LOCK_RENEW_S):
+            try:
+                self.renew()
+            except RunDirBusy as e:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                os._exit(1)
+            except (data.StorageUnavailable, data.StorageError) as e:  # the next renewal may succeed
+                print(f"warning: could not renew {self.path} ({e}); trying again", file=sys.stderr)
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (Linux clock ticks since boot), or None if there is no such process: a
+    process id reused by a later process does not look like the lock's holder."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc (not Linux): whether the process exists is all that can be told
+        try:
+            os.kill(pid, 0)
+            return "alive"
+        except ProcessLookupError:
+            return None
+
+
+def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: str | None) -> None:
+    """A run was accepted: its config is the run directory's now, and so is the tiny tokenizer, if the run
+    has one (token files made elsewhere may come without it), which `ckpt.py to-hf` ships with the weights."""
+    if jax.process_index() != 0:
+        return
+    try:
+        data.write_file(data.join(run_dir, "config.json"), json.dumps(config, indent=2))
+        tiny = data.tiny_tokenizer_file(tokenizer_path)
+        if tokenizer == "tiny" and os.path.exists(tiny):
+            data.write_file(data.join(run_dir, "tokenizer.json"), Path(tiny).read_text())
+    except OSError as e:
+        raise _unwritable(run_dir, e) from e
+
+
+def log_error(run_dir, what: str, e: BaseException) -> None:
+    """Append the full story of error `e` (its traceback, causes included) to RUN_DIR/log.txt, under `what`
+    and the time: the one-line message a user sees summarises it. Process 0 writes; a log that cannot be
+    written is said in a line, never raised over the error being reported."""
+    if jax.process_index() != 0:
+        return
+    story = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {what}:\n{format_traceback(e)}\n"
+    try:
+        data.append(data.join(run_dir, "log.txt"), story)
+    except Exception as failed:  # said, never raised over the error being reported
+        print(f"also: could not write {data.join(run_dir, 'log.txt')}: {failed}", file=sys.stderr)
+
+
+# One traceback formatted at a time, whichever thread: CPython 3.11 places a frame's ^^^ markers with
+# ast.parse, whose state all threads share, and two at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (python/cpython#106905). Orbax's late reports come on TensorStore's threads,
+# while this one may be logging the error they follow. Reentrant: a report may come from a finalizer that
+# the garbage collector runs inside a formatting.
+_FORMATTING = threading.RLock()
+
+
+def format_traceback(e: BaseException) -> str:
+    with _FORMATTING:
+        return "".join(traceback.format_exception(e))
+
+
+@contextlib.contextmanager
+def errors_logged(run_dir, unless: tuple = ()):
+    """Log (log_error) every error that stops the run inside, and let it go on: where RUN_DIR holds a run
+    (its config.json; nothing is created to hold a log, and a first run refused before it starts leaves the
+    directory as it found it), and not for `unless` (bad usage), a RunDirError (a directory this process
+    may not write to) nor an outage of the storage (the log is there too: the line said is the story)."""
+    try:
+        yield
+    except Exception as e:
+        quiet = (RunDirError, data.StorageUnavailable, *unless)
+        if not isinstance(e, quiet) and data.exists(data.join(run_dir, "config.json")):
+            log_error(run_dir, "the run stopped", e)
+        raise
+
+
+class Preemption:
+    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
+    (a checkpoint counts only once Orbax has written its commit marker, so the last committed one is never
+    harmed). With several processes,
+    JAX's preemption service tells every process the same step instead (a Python handler here would
+    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
+
+    def __enter__(self):
+        self.signals, self.before = 0, {}
+        if jax.process_count() == 1:
+            self.before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.before.items():  # the caller's handlers again (a test, a notebook)
+            signal.signal(s, handler)
+
+    def on_signal(self, signum, frame):
+        self.signals += 1
+        if self.signals > 1:
+            os._exit(128 + signum)
+        print(f"\nsignal {signum}: saving at the next step boundary, then exiting", flush=True)
+
+    def requested(self, step: int, checkpoints: "Checkpoints") -> bool:
+        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The metrics log (metrics.jsonl, TensorBoard, W&B) and the plots.
+
+
+# Our metrics row's keys under the names OLMo-core logs them (v3.0.0), so a W&B run overlays AI2's curves:
+# train/common.py (TRAIN_CE_LOSS_METRIC, OPTIM_GRAD_NORM_METRIC), train/train_module/transformer/
+# train_module.py ("Z loss", "LR (group i)", "step skipped", "masked instances (%)") and
+# train/callbacks/speed_monitor.py (throughput/...). Its throughput is per device (TPS: a rank's tokens
+# over the ranks that share them), so ours is divided by the devices; its MFU is a percentage, its masked
+# instances a proportion of the batch.
+OLMO_CORE_NAMES = {
+    "ce_loss": "train/CE loss",
+    "z_loss": "train/Z loss",  # with its multiplier, as OLMo-core's
+    "grad_norm": "optim/total grad norm",
+    "lr": "optim/LR (group 0)",
+    "skipped": "optim/step skipped",
+    "filtered": "train/masked instances (%)",
+    "tokens_per_s": "throughput/device/TPS",
+    "mfu": "throughput/device/MFU",
+    "tokens": "throughput/total tokens",
+    "data_wait_s": "throughput/device/data loading (s)",
+}
+
+
+def olmo_core_metrics(row: dict, devices: int, batch: int) -> dict:
+    """A metrics row as OLMo-core logs it; keys already in its form (eval/lm/..., eval/downstream/...) pass
+    unchanged. Left out: step (W&B's own), loss (CE + Z: OLMo-core logs the two), eval_loss and eval_ppl
+    (the first set's eval/lm/... again) and batch_hash (not a number)."""
+    scale = dict(tokens_per_s=1 / devices, mfu=100, filtered=1 / batch)
+    out = {k: v for k, v in row.items() if "/" in k}
+    out |= {name: row[k] * scale.get(k, 1) for k, name in OLMO_CORE_NAMES.items() if row.get(k) is not None}
+    if "lr" in row:  # OLMo 3's two groups (embeddings without weight decay, the rest) share the schedule
+        out["optim/LR (group 1)"] = row["lr"]
+    if row.get("ce_loss", math.inf) < 10:  # trainer.py adds train/PPL below a CE of 10
+        out["train/PPL"] = math.exp(row["ce_loss"])
+    return out
+
+
+def wandb_records(path: Path):
+    """The records (wandb's Record protos) of a W&B transaction log, run-ID.wandb: LevelDB's log format, a
+    7-byte file header, then 32 KiB blocks of chunks (CRC, length, type). A tail torn by a kill ends it."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, pos, record = path.read_bytes(), 7, b""
+    while pos + 7 <= len(raw):
+        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a chunk header is padding
+            pos += left
+            continue
+        _, size, kind = struct.unpack("<IHB", raw[pos : pos + 7])
+        if kind == 0 or pos + 7 + size > len(raw):
+            return
+        record, pos = record + raw[pos + 7 : pos + 7 + size], pos + 7 + size
+        if kind in (1, 4):  # a full record, or a fragmented one's last chunk
+            yield wandb_internal_pb2.Record.FromString(record)
+            record = b""
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbRun:
+    """Where --wandb logs (entity and credentials: wandb's environment), and what makes our rows OLMo-core's."""
+
+    project: str
+    name: str | None  # None: W&B names it
+    config: dict
+    devices: int
+    batch: int  # instances per step
+
+
+METRICS_FLUSH_S = 10.0  # on gs://, rows are stored at most this often (and before each checkpoint)
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl: one row per train step, one per evaluated step (its keys eval_loss, eval/...), as
+    of the checkpoint the run continues from; optionally TensorBoard and Weights & Biases too. Only process 0
+    writes.
+
+    A local file has each row as it comes. A Cloud Storage object cannot be appended to, so on gs:// rows are
+    held and stored a batch at a time by data.append (uploaded, then composed onto the end of the object on the
+    server: no row is sent twice, and readers see the file whole): every METRICS_FLUSH_S seconds at most (GCS
+    takes about one write a second to an object), before each checkpoint (flush, which train.py's save calls)
+    and at close. A kill -9 so loses only rows past the newest checkpoint, which the resume takes again, and
+    rewind drops the rows stored past it: after kills and resumes the file holds one row per step, as a local
+    one does."""
+
+    def __init__(self, run_dir, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
+        self.run_dir, self.lead = _absolute(run_dir), lead
+        self.path = data.join(self.run_dir, "metrics.jsonl")
+        self.tensorboard, self.wandb = tensorboard, wandb
+        self.file = self.tb = self.wb = None
+        self.opened, self.pending, self.flushed = False, [], time.monotonic()
+        self.wb_held = -1  # the last step the W&B run holds
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows past `step` (the steps about to be taken again): atomically, the old file kept until
+        the new one is complete. A torn last line goes too."""
+        if not self.lead:
+            return
+        for part in data.objects(f"{self.path}.part-") if data.is_url(self.path) else ():
+            data.remove(part)  # an upload a kill left before it was composed: rows past the checkpoint
+        if not data.exists(self.path):
+            return
+        rows, text = [], data.read_text(self.path)
+        for line in text.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a kill
+                continue
+            if row["step"] <= step:
+                rows.append(line + "\n")
+        if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
+            return
+        try:
+            data.write_file(self.path, "".join(rows))
+        except OSError as e:
+            raise _unwritable(self.run_dir, e) from e
+
+    def open(self) -> None:
+        """Open what the rows go to: at the first row, or before (a run about to train opens it before its
+        step compiles, so that W&B refusing it, say for want of a key, costs no compilation)."""
+        if not self.lead or self.opened:
+            return
+        if self.wandb:  # first: it sends the rows already written that W&B lacks
+            self.open_wandb()
+        try:
+            self.file = None if data.is_url(self.path) else open(self.path, "a")  # noqa: SIM115 - close()
+        except OSError as e:
+            raise _unwritable(self.run_dir, e) from e
+        if self.tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(data.join(self.run_dir, "tb"))
+        self.opened = True
+
+    def write(self, row: dict) -> None:
+        if not self.lead:
+            return
+        self.open()
+        self.pending.append(json.dumps(row) + "\n")
+        if self.file is not None or time.monotonic() - self.flushed >= METRICS_FLUSH_S:
+            self.flush()
+        for k, v in row.items() if self.tb else ():
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(k, v, row["step"])
+        self.send(row)
+
+    def open_wandb(self) -> None:
+        """Continue the run directory's W&B run (its id in RUN_DIR/wandb_id) and send it the rows it lacks.
+        W&B history cannot be rewritten, and a killed process loses what wandb had not yet flushed, so what
+        the W&B run holds is asked of W&B itself: the server (the step of the next log) or, offline, the run's
+        transaction logs in RUN_DIR/wandb. Rows at steps it holds are never sent again (a step retaken after
+        a resume keeps its first values there: the same numbers, as a resume is exact, but for the
+        throughput); rows it lost are sent from metrics.jsonl."""
+        import wandb
+
+        id_file, cfg = data.join(self.run_dir, "wandb_id"), self.wandb
+        run_id = data.read_text(id_file).strip() if data.exists(id_file) else None  # None: W&B makes one
+        # wandb writes its own files with local file calls: for a gs:// run they stay on this host, in a
+        # temporary folder named after the run (the W&B run itself lives on W&B's server).
+        own = Path(self.run_dir)
+        if data.is_url(self.run_dir):
+            own = Path(tempfile.gettempdir()) / "olmo3-jax-wandb" / self.run_dir.partition("://")[2]
+            own.mkdir(parents=True, exist_ok=True)
+        self.wb = wandb.init(
+            project=cfg.project, name=cfg.name, id=run_id, resume="allow", dir=own, config=cfg.config
+        )
+        run_id = self.wb.id
+        data.write_file(id_file, run_id)
+        if self.wb.offline:
+            logs = own.glob(f"wandb/*-{run_id}/run-{run_id}.wandb")
+            held = (r.history.step.num for log in logs for r in wandb_records(log) if r.HasField("history"))
+            self.wb_held = max(held, default=-1)
+        else:
+            self.wb_held = self.wb.step - 1
+        for line in data.read_text(self.path).splitlines() if data.exists(self.path) else ():
+            self.send(json.loads(line))
+
+    def send(self, row: dict) -> None:
+        """One row to W&B at its step (a step's train and eval rows make one W&B row), unless W&B holds it."""
+        if self.wb is not None and row["step"] > self.wb_held:
+            self.wb.log(olmo_core_metrics(row, self.wandb.devices, self.wandb.batch), step=row["step"])
+
+    def flush(self) -> None:
+        """Store the rows held back (on gs://; a local file has each row as it comes)."""
+        if not self.pending:
+            return
+        text, self.pending = "".join(self.pending), []
+        try:
+            if self.file is not None:
+                self.file.write(text)
+                self.file.flush()
+            else:
+                data.append(self.path, text)
+        except OSError as e:  # a full disk, a bucket that refuses: the run stops in one line
+            raise RunDirError(f"{self.path}: could not store the metrics rows ({e.strerror or e})") from e
+        self.flushed = time.monotonic()
+
+    def close(self) -> None:
+        if self.lead:
+            self.flush()
+        for f in (self.file, self.tb):
+            if f is not None:
+                f.close()
+        if self.wb is not None:
+            self.wb.finish()
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files, no window
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _metric_rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in data.read_text(data.join(run_dir, "metrics.jsonl")).splitlines()]
+
+
+def _save_figure(fig, path: str, dpi: int) -> None:
+    """A figure as a PNG file, local or in a bucket (savefig writes to bytes; the storage layer stores them)."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi)
+    data.write_file(path, png.getvalue())
+
+
+def _name(run_dir) -> str:
+    return str(run_dir).rstrip("/").rsplit("/", 1)[-1]
+
+
+def plot_losses(run_dir) -> list[str]:
+    """RUN_DIR/loss.png: the train loss and each held-out set's CE loss over the steps. Returns the curves'
+    labels."""
+    plt, rows = _pyplot(), _metric_rows(run_dir)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    held = dict.fromkeys(k for r in rows for k in r if k.startswith("eval/lm/") and k.endswith("/CE loss"))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=0.8)
+    for key in held:  # each held-out set's curve, labelled as OLMo-core labels it
+        label = key.removeprefix("eval/lm/").removesuffix("/CE loss")
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", label=f"held-out {label}", ms=3)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=_name(run_dir))
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    _save_figure(fig, data.join(run_dir, "loss.png"), dpi=120)
+    plt.close(fig)
+    return [line.get_label() for line in ax.get_lines()]
+
+
+def plot_downstream(run_dir) -> list[str]:
+    """RUN_DIR/downstream.png, where the run evaluated downstream tasks: a panel per task, its own metric
+    (ICLMetric's first, as train.py prints it) over the steps. Returns the panels' titles."""
+    plt, rows = _pyplot(), _metric_rows(run_dir)
+    firsts = {}  # task -> its first metric's key, in the row's order
+    for key in (
+        k for r in rows for k in r if k.startswith("eval/downstream/") and "(requests truncated)" not in k
+    ):
+        firsts.setdefault(key.removeprefix("eval/downstream/").rsplit(" (", 1)[0], key)
+    if not firsts:
+        return []
+    columns = min(len(firsts), 6)
+    n_rows = -(-len(firsts) // columns)
+    fig, axes = plt.subplots(n_rows, columns, figsize=(2.6 * columns, 2.1 * n_rows), squeeze=False)
+    for ax, (task, key) in zip(axes.flat, firsts.items()):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in rows if key in r]), "o-", ms=3)
+        ax.set_title(f"{task}\n{key.rsplit(' (', 1)[1][:-1]}", fontsize=7)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(firsts) :]:
+        ax.axis("off")
+    fig.suptitle(f"{_name(run_dir)}: downstream tasks over the steps", fontsize=9)
+    fig.tight_layout()
+    _save_figure(fig, data.join(run_dir, "downstream.png"), dpi=110)
+    plt.close(fig)
+    return [ax.get_title() for ax in axes.flat[: len(firsts)]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop's instruments: the progress bar with its tokens/s, and the profiler (--profile). They time and trace
+# the steps; only the trace is left on disk.
+
+
+class Progress:
+    """The progress bar, and tokens/s: the steps of the last 20 over the training time they took, on a clock
+    that runs from before a step is dispatched to when its numbers arrive and stops while the run saves or
+    evaluates (pause, resume), so that no step's rate counts those; waiting for data does count. The first
+    step (after a start or a resume, so with the compilation) is timed alone, and later windows start after
+    it. Times are taken where the loop reads a step's numbers, one step behind the dispatch: over a window,
+    the steps' times add up to the time the window took."""
+
+    def __init__(self, start: int, steps: int, tokens_per_step: int):
+        lead = jax.process_index() == 0
+        self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
+        self.tokens_per_step, self.rate = tokens_per_step, 0.0
+        self.trained, self.since = 0.0, time.perf_counter()  # seconds trained before `since`, when it resumed
+        self.times, self.first = deque([0.0], 21), True  # the clock at the window's start and at each step
+
+    def clock(self) -> float:
+        """Seconds spent training so far (saves and evaluations left out)."""
+        return self.trained + (0.0 if self.since is None else time.perf_counter() - self.since)
+
+    def tick(self, loss: float) -> float:
+        """A step's numbers arrived: move the bar on, showing its loss. Returns tokens/s."""
+        self.times.append(self.clock())
+        elapsed = max(self.times[-1] - self.times[0], 1e-9)
+        self.rate = self.tokens_per_step * (len(self.times) - 1) / elapsed
+        if self.first:  # the compilation stays in the first step's rate alone
+            self.times, self.first = deque([self.times[-1]], 21), False
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.rate:,.0f}")
+        return self.rate
+
+    def pause(self) -> None:
+        self.trained, self.since = self.clock(), None
+
+    def resume(self) -> None:
+        self.since = time.perf_counter()
+
+
+class Profile:
+    """--profile START:STEPS: jax.profiler traces steps START ... START + STEPS - 1, from the dispatch of the
+    first to the arrival of the last one's numbers, into RUN_DIR/profile/plugins/profile/<time>/, where
+    TensorBoard's profile plugin and XProf look: <host>.xplane.pb (trace viewer, op profile, memory) and
+    perfetto_trace.json.gz (ui.perfetto.dev opens it). Every process traces its own devices. The profiler
+    writes local files, so a gs:// run directory's trace is written to a local folder, then uploaded. A run
+    that resumes past START traces the steps it takes of them, or says it traces none. An empty `spec` traces
+    nothing."""
+
+    def __init__(self, spec: str, run_dir: str):
+        start, steps = map(int, spec.split(":")) if spec else (0, 0)
+        self.first, self.last, self.run_dir, self.folder = start, start + steps - 1, run_dir, None
+        self.spec, self.dispatched = spec, False
+
+    def dispatching(self, step: int) -> None:
+        if self.spec and not self.dispatched and step > self.first:  # the run resumed past START
+            self.first = step
+            if step > self.last and jax.process_index() == 0:
+                print(f"--profile {self.spec}: this run starts at step {step}, past them: nothing is traced")
+        self.dispatched = True
+        if step == self.first and step <= self.last:
+            local = tempfile.mkdtemp(prefix="olmo3-profile-") if data.is_url(self.run_dir) else None
+            self.folder = local or data.join(self.run_dir, "profile")
+            jax.profiler.start_trace(self.folder, create_perfetto_trace=True)
+
+    def finished(self, step: int) -> None:
+        if step != self.last or self.folder is None:
+            return
+        jax.profiler.stop_trace()
+        target = data.join(self.run_dir, "profile")
+        if data.is_url(self.run_dir):
+            data.copy_tree(self.folder, target)
+            shutil.rmtree(self.folder)
+        self.folder = None
+        if jax.process_index() == 0:
+            print(
+                f"profile of steps {self.first}-{self.last} in {target}: `xprof --logdir={target}` (pip install "
+                "xprof), or its perfetto_trace.json.gz at ui.perfetto.dev",
+                flush=True,
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command line
 
 
 # Commands whose work train.py now does, with what to run instead: a stage starts in one command.
