@@ -5,12 +5,14 @@ its own (no fault, waited for, no environment of its own). That spares a command
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import ckpt
+import data
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,3 +60,34 @@ def with_cpu_devices(n: int, **env) -> dict[str, str]:
     the device count (of a repeated flag, XLA takes the last)."""
     flags = f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count={n}"
     return dict(os.environ, XLA_FLAGS=flags, **env)
+
+
+# The tiny preset shrunk for the tests that kill, resume and compare runs: 12 steps of 4 x 64 tokens, a
+# checkpoint every 3, an evaluation at the last step alone, no samples.
+STEPS = 12
+FLAGS = ["--preset", "tiny", "--seq_len", "64", "--global_batch", "4", "--steps", str(STEPS)]
+FLAGS += ["--lr_horizon", str(STEPS), "--warmup_steps", "3", "--ckpt_every", "3", "--eval_every", "1000"]
+FLAGS += ["--samples", "0"]
+COMPARED = (
+    "loss",
+    "grad_norm",
+    "batch_hash",
+    "lr",
+    "ce_loss",
+    "z_loss",
+    "skipped",
+)  # a train row, bit for bit
+
+
+def run(run_dir, data_root, *extra, fault="none:0", wait=True, env=None, script="faults.py"):
+    """train.py with FLAGS (and `extra`) on the tiny data under `data_root`, through train_py; `env`: variables
+    added to this process's."""
+    argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
+    return train_py(argv, fault, wait=wait, script=script, env=env and dict(os.environ, **env))
+
+
+def rows(run_dir, kind: str | None = None) -> list[dict]:
+    """metrics.jsonl's rows (a local or gs:// run directory); with `kind` ("loss": the train rows,
+    "eval_loss": the evaluations), those that hold it."""
+    text = data.read_text(data.join(str(run_dir), "metrics.jsonl"))
+    return [row for row in map(json.loads, text.splitlines()) if kind is None or kind in row]

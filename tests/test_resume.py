@@ -5,7 +5,6 @@ failed save stops the run; a read-only run directory is read, never written. ckp
 tests/test_ckpt.py's."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -16,48 +15,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from commands import ckpt_py, train_py
+from commands import FLAGS, STEPS, ckpt_py, rows, run
 from damage import delete_item, flip_byte, truncate
 
 import ckpt
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 12
-FLAGS = [
-    "--preset",
-    "tiny",
-    "--seq_len",
-    "64",
-    "--global_batch",
-    "4",
-    "--steps",
-    str(STEPS),
-    "--lr_horizon",
-    str(STEPS),
-    "--warmup_steps",
-    "3",
-    "--ckpt_every",
-    "3",
-    "--eval_every",
-    "1000",
-    "--samples",
-    "0",
-]
-
-
-def run(run_dir, data_root, *extra, fault="none:0", env=None, wait=True):
-    """train.py on the tiny data with FLAGS and `extra` (tests/commands.py's train_py)."""
-    argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
-    return train_py(argv, fault, env=env, wait=wait)
-
-
-def rows(run_dir, kind="loss") -> list[dict]:
-    """The train rows of metrics.jsonl (or, with kind="eval_loss", the eval rows)."""
-    return [
-        json.loads(line)
-        for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-        if f'"{kind}"' in line
-    ]
 
 
 def final_model(run_dir, step=STEPS):
@@ -71,14 +34,14 @@ def reference(tiny_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
     out = run(run_dir, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
-    logged = {r["step"]: r for r in rows(run_dir)}
+    logged = {r["step"]: r for r in rows(run_dir, "loss")}
     assert sorted(logged) == list(range(1, STEPS + 1))
     return run_dir, logged
 
 
 def assert_same_as_reference(run_dir, reference):
     ref_dir, ref_rows = reference
-    logged = rows(run_dir)
+    logged = rows(run_dir, "loss")
     # One row per step, as of the checkpoint each attempt resumed from: none missing, none repeated.
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     assert [r["step"] for r in rows(run_dir, "eval_loss")] == [STEPS]  # --eval_every 1000: the last step only
@@ -123,7 +86,7 @@ def test_kill_before_the_first_checkpoint_starts_over(tiny_data, reference, tmp_
 def wait_for_steps(run_dir, n, proc, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (Path(run_dir) / "metrics.jsonl").exists() and len(rows(run_dir)) >= n:
+        if (Path(run_dir) / "metrics.jsonl").exists() and len(rows(run_dir, "loss")) >= n:
             return
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.05)
@@ -173,7 +136,7 @@ def test_second_signal_exits_at_once_and_harms_nothing(tiny_data, reference, tmp
     assert ckpt.Checkpoints(run_dir).steps() == [9, STEPS]
     out = run(run_dir, tiny_data, *extend)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"(step {STEPS})" in out.stdout and max(r["step"] for r in rows(run_dir)) == STEPS + 2
+    assert f"(step {STEPS})" in out.stdout and max(r["step"] for r in rows(run_dir, "loss")) == STEPS + 2
 
 
 @pytest.mark.slow
@@ -239,7 +202,7 @@ def test_changed_recipe_is_refused_unless_allowed(tiny_data, reference, tmp_path
     assert out.returncode == 2 and "steps: 12 -> 14" in out.stderr and "--allow_config_change" in out.stderr
     out = run(run_dir, tiny_data, "--steps", "14", "--allow_config_change")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert [r["step"] for r in rows(run_dir)][-2:] == [13, 14]
+    assert [r["step"] for r in rows(run_dir, "loss")][-2:] == [13, 14]
 
 
 @pytest.mark.slow
@@ -278,7 +241,7 @@ def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(tiny_data, referen
     assert "saving checkpoint 6 failed" in (saved / "log.txt").read_text()
     # The write fails in the background; the loop stops at the first step boundary after it does, at the
     # latest before it would save again: it never goes on without checkpoints.
-    assert max(r["step"] for r in rows(saved)) < 9
+    assert max(r["step"] for r in rows(saved, "loss")) < 9
     out = run(saved, tiny_data)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(step 3)" in out.stdout
@@ -288,7 +251,7 @@ def test_a_real_full_disk_stops_the_run_and_the_rerun_resumes(tiny_data, referen
 @pytest.mark.slow
 def test_a_second_process_on_the_run_directory_is_refused_at_once(tiny_data, reference, tmp_path):
     go = tmp_path.parent / f"{tmp_path.name}.go"  # the first run holds after step 5 until this exists
-    first = run(tmp_path, tiny_data, fault="hold:5", env=dict(os.environ, FAULT_GO=str(go)), wait=False)
+    first = run(tmp_path, tiny_data, fault="hold:5", env={"FAULT_GO": str(go)}, wait=False)
     wait_for_steps(tmp_path, 2, first)
     t0 = time.time()
     second = run(tmp_path, tiny_data)
@@ -396,7 +359,7 @@ def test_a_token_id_past_the_vocabulary_stops_the_run_naming_file_offset_and_id(
         f"error: {bad}: token {64 * row + 5} has id 9000, not below the vocabulary of 8192; `python data.py check "
         f"{bad} --vocab_size 8192` scans every token (another tokenizer? a file of another dtype?)"
     )
-    assert len(rows(tmp_path / "run")) <= step  # it stopped at the batch, before training on it
+    assert len(rows(tmp_path / "run", "loss")) <= step  # it stopped at the batch, before training on it
     assert "Traceback" in (tmp_path / "run" / "log.txt").read_text()  # the full story of what stopped it
 
 
@@ -462,6 +425,6 @@ def test_from_hf_starts_a_run_at_step_0_and_says_how(tiny_data, reference, tmp_p
     out = run(tmp_path / "run", tiny_data, "--steps", "2", "--lr_horizon", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming from" in out.stdout and "(step 0)" in out.stdout
-    first = rows(tmp_path / "run")[0]
+    first = rows(tmp_path / "run", "loss")[0]
     # Training continues from the exported weights: the first loss is the trained model's, far below ln(8192).
     assert first["loss"] < reference[1][STEPS]["loss"] + 0.5

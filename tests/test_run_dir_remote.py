@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 import servers
-from commands import train_py
+from commands import COMPARED, STEPS, rows, run
 
 import ckpt
 import data
@@ -34,25 +34,6 @@ import olmo3
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 12
-FLAGS = ["--preset", "tiny", "--seq_len", "64", "--global_batch", "4", "--steps", str(STEPS)]
-FLAGS += ["--lr_horizon", str(STEPS), "--warmup_steps", "3", "--ckpt_every", "3", "--eval_every", "1000"]
-FLAGS += ["--samples", "0"]
-COMPARED = ("loss", "grad_norm", "batch_hash", "lr", "ce_loss", "z_loss", "skipped")
-
-
-def run(run_dir, data_root, *extra, fault="none:0", no_dir_renames=False, wait=True, env=None):
-    """train.py (tests/commands.py's train_py), or with no_dir_renames through tests/gcsfuse.py, which refuses
-    directory renames under run_dir; wait=False: started, not waited for (a Popen); `env`: variables added."""
-    argv = [*FLAGS, "--run_dir", run_dir, "--data_root", data_root, *extra]
-    if no_dir_renames:
-        return train_py(argv, fault, script="gcsfuse.py", env=dict(os.environ, NO_DIR_RENAMES=str(run_dir)))
-    return train_py(argv, fault, wait=wait, env=env and dict(os.environ, **env))
-
-
-def rows(run_dir) -> list[dict]:
-    text = data.read_text(data.join(run_dir, "metrics.jsonl"))
-    return [json.loads(line) for line in text.splitlines()]
 
 
 def final_arrays(run_dir, step=STEPS) -> list:
@@ -213,10 +194,18 @@ def test_a_folder_that_renames_no_directory_commits_and_resumes_bitwise(tiny_dat
     """gcsfuse on a flat bucket refuses to rename a directory (EXDEV): Orbax's default commit, a rename of the
     step's temporary folder, would fail at the first save. Committed by marker, it never renames one."""
     run_dir = tmp_path / "mounted"
-    out = run(run_dir, tiny_data, "--profile", "2:2", fault="during_save:6", no_dir_renames=True)
+    out = run(
+        run_dir,
+        tiny_data,
+        "--profile",
+        "2:2",
+        fault="during_save:6",
+        script="gcsfuse.py",
+        env={"NO_DIR_RENAMES": str(run_dir)},
+    )
     assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
     assert ckpt.Checkpoints(run_dir, read_only=True).steps() == [3]
-    out = run(run_dir, tiny_data, no_dir_renames=True)
+    out = run(run_dir, tiny_data, script="gcsfuse.py", env={"NO_DIR_RENAMES": str(run_dir)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(step 3)" in out.stdout
     assert_same_as_reference(run_dir, reference)
