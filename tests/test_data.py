@@ -560,10 +560,10 @@ def train_cli(capsys, tmp_path, *flags) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def set_up(**fields) -> "train.Run":
-    """train.set_up for the tiny preset with these fields: its data, nothing compiled or written."""
+def set_up(**fields) -> "train.Plan":
+    """train.plan_run for the tiny preset with these fields: its data, nothing compiled or written."""
     cfg = dataclasses.replace(train.PRESETS["tiny"], steps=1, **fields)
-    return train.set_up(cfg, None, train.model_config(cfg), None, 1)
+    return train.plan_run(cfg, None, train.model_config(cfg), None)
 
 
 def test_token_files_of_another_layout_are_refused_naming_the_fix(tmp_path, capsys):

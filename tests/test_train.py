@@ -428,7 +428,7 @@ def test_one_epoch_is_olmo_core_s_max_steps_for_one_epoch_of_the_data(tiny_data,
         train.PRESETS["tiny"], data="tiny", data_root=str(tiny_data), global_batch=3, seq_len=200
     )
     cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "run"), lr_horizon=0, steps=0)
-    run = train.set_up(cfg, None, train.model_config(cfg), None, 1)
+    run = train.plan_run(cfg, None, train.model_config(cfg), None)
     tokenizer = TokenizerConfig(vocab_size=8192, eos_token_id=0, pad_token_id=0)
     dataset = NumpyFSLDatasetConfig(
         paths=files, sequence_length=200, tokenizer=tokenizer, work_dir=str(tmp_path / "oc")
@@ -871,10 +871,10 @@ def test_a_nan_stops_the_run_naming_the_last_checkpoint_there_is(tmp_path):
     with pytest.raises(
         FloatingPointError, match=f"step 9: loss nan, .*the last checkpoint is {tmp_path}/checkpoints/7"
     ):
-        train.log_step(run, 9, nan, 0.0, 0, 0, None)
+        train.log_step(run, 9, nan, train.Batch(None, {}, 0, 0), None)
     empty = types.SimpleNamespace(checkpoints=ckpt.Checkpoints(tmp_path / "new"))
     with pytest.raises(FloatingPointError, match=r"\(no checkpoint yet\)"):
-        train.log_step(empty, 3, nan, 0.0, 0, 0, None)
+        train.log_step(empty, 3, nan, train.Batch(None, {}, 0, 0), None)
 
 
 def test_tokens_per_s_is_the_rate_of_the_steps_it_covers_across_saves_evals_and_a_resume(
@@ -989,3 +989,12 @@ def test_a_run_refused_before_it_starts_leaves_no_run_directory(tiny_data, tmp_p
     ]
     assert refused(capsys, *argv).startswith("error: --steps 1000000: the data holds ")
     assert not run_dir.exists()
+
+
+def test_every_preset_is_within_what_its_fields_accept():
+    """The presets are checked as a user's flags are (train.check_fields: the bounds and choices flag() gives
+    each field): a preset edited out of bounds fails here, not in the middle of a run."""
+    for preset in train.PRESETS.values():
+        train.check_fields(preset)
+    with pytest.raises(train.FlagError, match=r"^--lr 0.0: expected a number > 0$"):
+        train.check_fields(dataclasses.replace(train.PRESETS["tiny"], lr=0.0))
