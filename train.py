@@ -746,14 +746,14 @@ class Plan:
     tasks: list[data.DownstreamTask]
     tokenizer_path: str | None
     meta: dict  # what every checkpoint records: the config, the model, the data's fingerprint
+    n_micro: int  # microbatches a step: as --microbatch asks, until set_up finds the rows that fit
 
 
 @dataclass(frozen=True)
 class Run(Plan):
-    """A run under way, built whole by set_up (open_run): its plan, the rows a microbatch holds, the run
-    directory opened (its checkpoints and metrics log), the profiler. The loop's seams take it."""
+    """A run under way, built whole by set_up (open_run): its plan, the run directory opened (its checkpoints
+    and metrics log), the profiler. The loop's seams take it."""
 
-    n_micro: int
     checkpoints: ckpt.Checkpoints
     log: ckpt.MetricsLog
     profile: ckpt.Profile
@@ -803,7 +803,8 @@ def plan_run(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
     fingerprint = loader.fingerprint if loader else None
     meta = dict(config=dataclasses.asdict(cfg), model=ckpt.config_to_hf(model_cfg), data=fingerprint)
     tasks = downstream_tasks(cfg, model_cfg, tokenizer_path)
-    return Plan(cfg, mesh, model_cfg, compute, loader, eval_sets, tasks, tokenizer_path, meta)
+    n_micro = microbatches(cfg, mesh)  # a batch that does not split over the devices: refused here
+    return Plan(cfg, mesh, model_cfg, compute, loader, eval_sets, tasks, tokenizer_path, meta, n_micro)
 
 
 def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
@@ -821,7 +822,7 @@ def set_up(plan: Plan, target) -> tuple[Run, tuple]:
     dropped from metrics.jsonl (steps to retake; --eval_only only adds a row), and the microbatch whose rows
     fit, where the model runs."""
     cfg, mesh = plan.cfg, plan.mesh
-    run = open_run(plan, microbatches(cfg, mesh))
+    run = open_run(plan)
     state = restore_or_init(run)
     if not cfg.eval_only:
         run.log.rewind(state[0])
@@ -888,7 +889,7 @@ def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> No
         )
 
 
-def open_run(plan: Plan, n_micro: int) -> Run:
+def open_run(plan: Plan) -> Run:
     """The run directory's checkpoints and metrics log opened (once the run holds its lock: this makes the
     directory, if it is new), and the run they make of `plan`."""
     cfg = plan.cfg
@@ -904,7 +905,6 @@ def open_run(plan: Plan, n_micro: int) -> Run:
     planned = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}
     return Run(
         **planned,
-        n_micro=n_micro,
         checkpoints=checkpoints,
         log=log,
         profile=ckpt.Profile(cfg.profile, cfg.run_dir),

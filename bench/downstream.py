@@ -157,8 +157,10 @@ def main(argv=None) -> None:
     tasks = [data.downstream_task(name, task, args.seq_len) for name, task in built.items()]
     _, held_out, _ = data.resolve("tiny", args.data_root, "")
     held = train.padded_eval_sets(held_out, model.cfg, 256, data.dtype_for_vocab(model.cfg.vocab_size))[0]
-    plan = train.Plan(cfg, mesh, model.cfg, compute, None, [held], tasks, str(run_dir / "tokenizer.json"), {})
-    run = train.Run(**vars(plan), n_micro=1, checkpoints=None, log=None, profile=ckpt.Profile("", ""))
+    plan = train.Plan(
+        cfg, mesh, model.cfg, compute, None, [held], tasks, str(run_dir / "tokenizer.json"), {}, 1
+    )
+    run = train.Run(**vars(plan), checkpoints=None, log=None, profile=ckpt.Profile("", ""))
     with jax.set_mesh(mesh):
         ours, downstream_s = timed(lambda: train.downstream_row(run, model))
         lm_run = dataclasses.replace(run, cfg=dataclasses.replace(cfg, seq_len=256, eval_batches=0))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import data
+import shard
 import train
 
 ROOT = os.path.dirname(os.path.abspath(data.__file__))
@@ -563,7 +564,7 @@ def train_cli(capsys, tmp_path, *flags) -> tuple[int, str]:
 def set_up(**fields) -> "train.Plan":
     """train.plan_run for the tiny preset with these fields: its data, nothing compiled or written."""
     cfg = dataclasses.replace(train.PRESETS["tiny"], steps=1, **fields)
-    return train.plan_run(cfg, None, train.model_config(cfg), None)
+    return train.plan_run(cfg, shard.make_mesh(cfg.mesh), train.model_config(cfg), None)
 
 
 def test_token_files_of_another_layout_are_refused_naming_the_fix(tmp_path, capsys):

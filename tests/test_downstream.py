@@ -71,8 +71,8 @@ def test_downstream_metrics_are_olmo_evals(built, tiny_data, tmp_path):
     model = ckpt.load_hf(tmp_path / "hf", compute=compute)
     model = eqx.filter_shard(model, shard.shardings(model, mesh))
     tasks = [data.downstream_task(name, task, SEQ) for name, task in built.items()]
-    plan = train.Plan(cfg, mesh, model.cfg, compute, None, [], tasks, str(tiny_data), {})
-    run = train.open_run(plan, n_micro=1)
+    plan = train.Plan(cfg, mesh, model.cfg, compute, None, [], tasks, str(tiny_data), {}, n_micro=1)
+    run = train.open_run(plan)
     with jax.set_mesh(mesh):
         train.evaluate(run, 5, model)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])

@@ -115,7 +115,7 @@ def test_evaluate_matches_olmo_cores_lm_evaluator(held_out, tmp_path, monkeypatc
     compute = olmo3.Compute(dtype="float32", attention="reference")
     model = ckpt.load_hf(tmp_path / "hf", compute=compute)
     model = eqx.filter_shard(model, shard.shardings(model, mesh))
-    run = train.open_run(train.plan_run(cfg, mesh, model.cfg, compute), n_micro=1)
+    run = train.open_run(train.plan_run(cfg, mesh, model.cfg, compute))
     with jax.set_mesh(mesh):
         train.evaluate(run, 7, model)  # the whole sets
         train.evaluate(dataclasses.replace(run, cfg=dataclasses.replace(cfg, eval_batches=1)), 8, model)

@@ -428,7 +428,7 @@ def test_one_epoch_is_olmo_core_s_max_steps_for_one_epoch_of_the_data(tiny_data,
         train.PRESETS["tiny"], data="tiny", data_root=str(tiny_data), global_batch=3, seq_len=200
     )
     cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / "run"), lr_horizon=0, steps=0)
-    run = train.plan_run(cfg, None, train.model_config(cfg), None)
+    run = train.plan_run(cfg, shard.make_mesh(cfg.mesh), train.model_config(cfg), None)
     tokenizer = TokenizerConfig(vocab_size=8192, eos_token_id=0, pad_token_id=0)
     dataset = NumpyFSLDatasetConfig(
         paths=files, sequence_length=200, tokenizer=tokenizer, work_dir=str(tmp_path / "oc")
