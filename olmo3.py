@@ -261,36 +261,48 @@ def linear(
 # device's gradient of a weight exists on its own, to be cast up before it is summed.
 
 
-def to_devices(x: Shaped[Array, "batch seq *rest"], devices: tuple[int, int]) -> Shaped[Array, "..."]:
-    """`x`'s tokens by the device that holds them ("rows positions batch seq ..."): its rows split over
-    devices[0] devices, each row's positions over devices[1] (a context axis: the row in its balanced order)."""
-    rows, positions = devices
+Devices = tuple[
+    int, int, int
+]  # how many devices split the tokens: rows over data, then fsdp; positions over context
+
+
+def to_devices(x: Shaped[Array, "batch seq *rest"], devices: Devices) -> Shaped[Array, "..."]:
+    """`x`'s tokens by the device that holds them, "data fsdp context batch seq ...": its rows split over
+    devices[0] x devices[1] devices, each row's positions over devices[2] (the row in its balanced order)."""
+    data, fsdp, context = devices
     b, s = x.shape[:2]
-    return x.reshape(rows, b // rows, positions, s // positions, *x.shape[2:]).swapaxes(1, 2)
+    return jnp.moveaxis(x.reshape(data, fsdp, b // (data * fsdp), context, s // context, *x.shape[2:]), 3, 2)
 
 
-def from_devices(x: Shaped[Array, "rows positions batch seq *rest"]) -> Shaped[Array, "..."]:
-    rows, positions, b, s = x.shape[:4]
-    return x.swapaxes(1, 2).reshape(rows * b, positions * s, *x.shape[4:])
+def from_devices(x: Shaped[Array, "data fsdp context batch seq *rest"]) -> Shaped[Array, "..."]:
+    data, fsdp, context, b, s = x.shape[:5]
+    return jnp.moveaxis(x, 2, 3).reshape(data * fsdp * b, context * s, *x.shape[5:])
 
 
-def per_device(fn: Callable, devices: tuple[int, int]) -> Callable:
+def on_each_device(fn: Callable) -> Callable:
+    return jax.vmap(jax.vmap(jax.vmap(fn)))
+
+
+def per_device(fn: Callable, devices: Devices) -> Callable:
     """`fn(x, w, *rest)`, a layer that treats each token on its own (a linear, a norm, a lookup; x "batch seq
-    ..."), run on each device's tokens with that device's copy of the weights `w` (leading "rows positions"
-    axes: shard.Layout.weights). The same numbers as `fn(x, w_whole, *rest)`; autodiff then leaves each
-    device's gradient of `w` apart, for the copies' backward pass to sum."""
-    return lambda x, w, *rest: from_devices(
-        jax.vmap(jax.vmap(lambda x, w: fn(x, w, *rest)))(to_devices(x, devices), w)
-    )
+    ..."), run on each device's tokens with that device's copy of the weights `w` (leading "data fsdp
+    context" axes: shard.Layout.weights). The same numbers as `fn(x, w_whole, *rest)`; autodiff then leaves
+    each device's gradient of `w` apart, for the copies' backward pass to sum."""
+
+    def run(x, w, *rest):
+        each = on_each_device(lambda x, w: fn(x, w, *rest))
+        return from_devices(each(to_devices(x, devices), w))
+
+    return run
 
 
-def per_device_sums(fn: Callable, devices: tuple[int, int]) -> Callable:
+def per_device_sums(fn: Callable, devices: Devices) -> Callable:
     """`fn(w, *tokens)`, sums over the tokens (a pytree of them: the LM head's loss), run as per_device runs a
     layer, then added up over the devices in fp32. `tokens`: arrays "batch seq ..." (activations, targets)."""
 
     def run(w, *tokens):
-        each = jax.vmap(jax.vmap(fn))(w, *(to_devices(t, devices) for t in tokens))
-        return jax.tree.map(lambda s: s.sum((0, 1)), each)
+        each = on_each_device(fn)(w, *(to_devices(t, devices) for t in tokens))
+        return jax.tree.map(lambda s: s.sum((0, 1, 2)), each)
 
     return run
 
@@ -349,7 +361,7 @@ def fp8_linear(
     w: Float[Array, "..."],
     n_in: int = 1,
     gathered: tuple | None = None,
-    devices: tuple[int, int] = (1, 1),
+    devices: Devices = (1, 1, 1),
 ) -> Float[Array, "..."]:
     """`linear(x, w, n_in)` as torchao's Float8Linear computes it under AI2's stage-3 settings (tensorwise,
     scales of activations and gradients rounded to powers of two, fp8 all-gather of FSDP weights). `w` is the
@@ -395,13 +407,13 @@ def _fp8_bwd(n_in, devices, saved, g):
     # allows excess precision), as it does on GPUs, where the unscaling joins the GEMM.
     bits = jnp.finfo(g.dtype)
     rounded = lambda dw: jax.lax.reduce_precision(dw, exponent_bits=bits.nexp, mantissa_bits=bits.nmant)
-    if devices == (1, 1):
+    if devices == (1, 1, 1):
         dw = rounded(_fp8_dot(qx2, qg, (0, 0), sx * sg, highest, jnp.float32))
-    else:  # each device's own, "rows positions in out", rounded, then summed in fp32
+    else:  # each device's own ("data fsdp context in out"), rounded, then summed in fp32 as Layout.weights sums
         mine = lambda t: to_devices(t.reshape(*qx.shape[:2], -1), devices).reshape(*devices, -1, t.shape[-1])
-        dims = (((2,), (2,)), ((0, 1), (0, 1)))
+        dims = (((3,), (3,)), ((0, 1, 2), (0, 1, 2)))
         each = jax.lax.dot_general(mine(qx2), mine(qg), dims, highest, preferred_element_type=jnp.float32)
-        dw = rounded(each / (sx * sg)).sum((0, 1))
+        dw = rounded(each / (sx * sg)).sum(1).sum((0, 1))  # within each fsdp group, then across them
     return dx.reshape(qx.shape), dw.reshape(qw.shape), None
 
 
@@ -435,13 +447,13 @@ def block_linear(
     w,
     n_in: int = 1,
     fp8: str = "",
-    devices: tuple[int, int] | None = None,
+    devices: Devices | None = None,
 ):
     """A block's linear: under Compute.fp8 in FP8 where fp8 GEMMs take the sizes (fp8_fits), else in x's dtype
     (Olmo3.as_used leaves the fp8 linears' weights in fp32). `w`: a weight, or on a mesh an Fp8Weight
     (fp8_gathered), or with `devices` each device's copy (per_device)."""
     if isinstance(w, Fp8Weight):
-        return fp8_linear(x, w.master, n_in, (w.bits, w.scale), devices or (1, 1))
+        return fp8_linear(x, w.master, n_in, (w.bits, w.scale), devices or (1, 1, 1))
     if fp8 == "tensorwise" and devices is None and fp8_fits(w.shape, n_in):
         return fp8_linear(x, w, n_in)
     if devices is None:

@@ -739,12 +739,12 @@ class Layout:
     def gather(self, tree):
         return gather(tree, self.mesh)
 
-    def copies(self, dtype) -> tuple[int, int] | None:
-        """How many copies of each weight `weights` makes for layers that compute in `dtype`, as (rows,
-        positions): one per device that holds other tokens (rows split over data x fsdp, each row's positions
-        over context), where the gradients are summed in a wider reduce_dtype. None where autodiff's own sums
-        are the recipe's: fp32 layers, reduce_dtype None or no wider, one device holding every token."""
-        devices = (self.mesh.shape["data"] * self.mesh.shape["fsdp"], self.mesh.shape["context"])
+    def copies(self, dtype) -> tuple[int, int, int] | None:
+        """How many copies of each weight `weights` makes for layers that compute in `dtype`, along the mesh
+        axes that split the tokens (data, fsdp: rows; context: each row's positions): one per device that
+        holds other tokens, where the gradients are summed in a wider reduce_dtype. None where autodiff's own
+        sums are the recipe's: fp32 layers, reduce_dtype None or no wider, one device holding every token."""
+        devices = tuple(self.mesh.shape[a] for a in ("data", "fsdp", "context"))
         reduce = self.reduce_dtype is not None and jnp.dtype(self.reduce_dtype).itemsize
         return devices if reduce and reduce > jnp.dtype(dtype).itemsize and math.prod(devices) > 1 else None
 
@@ -777,29 +777,26 @@ class Layout:
     def _copies(self, masters: list, axes: list[tuple], dtype) -> list:
         """The per-device copies of `weights`, with the backward pass that sums them in reduce_dtype."""
         mesh, devices = self.mesh, self.copies(dtype)
-        lead = spec(("batch", "seq"), devices, mesh)  # the copies split as the tokens are
+        data, fsdp, context = (a if mesh.shape[a] > 1 else None for a in ("data", "fsdp", "context"))
+        place = lambda x, ax, gathered, *lead: jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, P(*lead, *spec(ax, x.shape[len(lead) :], mesh, gathered)))
+        )
         bits = jnp.finfo(dtype)
 
         @jax.custom_vjp
         def copies(masters):
             whole = [gather_array(cast(w, dtype), ax, mesh) for w, ax in zip(masters, axes)]
-            at = lambda w, ax: NamedSharding(mesh, P(*lead, *spec(ax, w.shape, mesh, gathered=True)))
-            return [
-                jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (*devices, *w.shape)), at(w, ax))
-                for w, ax in zip(whole, axes)
-            ]
+            copy = lambda w: jnp.broadcast_to(w, (*devices, *w.shape))
+            return [place(copy(w), ax, True, data, fsdp, context) for w, ax in zip(whole, axes)]
 
         def backward(_, grads):
-            # Each device's gradient in `dtype`, cast up and summed. The rounding is stated: XLA may keep a
-            # gradient made in bf16 in fp32 when it is cast up right away (it allows excess precision).
+            # Each device's gradient in `dtype`, cast up, then summed as HSDP sums: within each fsdp group into
+            # the master's shards (a reduce-scatter), then the shards across the groups (an all-reduce). The
+            # rounding is stated: XLA may keep a bf16 gradient in fp32 when it is cast up at once (it allows
+            # excess precision).
             up = lambda g: jax.lax.reduce_precision(g.astype(self.reduce_dtype), bits.nexp, bits.nmant)
-            at = lambda w, ax: NamedSharding(mesh, spec(ax, w.shape, mesh))
-            return (
-                [
-                    jax.lax.with_sharding_constraint(up(g).sum((0, 1)), at(w, ax))
-                    for g, w, ax in zip(grads, masters, axes)
-                ],
-            )
+            shards = lambda g, ax: place(up(g).sum(1), ax, False, data, context)
+            return ([place(shards(g, ax).sum((0, 1)), ax, False) for g, ax in zip(grads, axes)],)
 
         copies.defvjp(lambda masters: (copies(masters), None), backward)
         return copies(masters)

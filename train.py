@@ -497,7 +497,7 @@ def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None, labe
             loss = ce + cfg.z_loss * zz
         else:
             weights = (jnp.float32(1), jnp.float32(cfg.z_loss))  # of the two sums, in the loss
-            chunk = math.gcd(x.shape[1] // (copies or (1, 1))[1], cfg.loss_chunk)  # a device's positions
+            chunk = math.gcd(x.shape[1] // (copies or (1, 1, 1))[2], cfg.loss_chunk)  # a device's positions
             fused = lambda w, x, t, m: olmo3.fused_lm_head(x, w, loss_sums, t, m, weights, chunk)
             fused = olmo3.per_device_sums(fused, copies) if copies else fused
             loss, (ce, zz) = fused(w, x, targets, weight)
@@ -1430,11 +1430,12 @@ def traffic_floor(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_m
 
 
 def weight_traffic_floor(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int):
-    """FSDP all-gathers each weight split over fsdp once a microbatch (the layers' twice where --remat
-    recomputes them), in the dtype the layers take it in (the fp8 block linears: e4m3), and reduce-scatters
-    its gradient once a microbatch; the devices that hold the same shard but other tokens (data, context;
-    for a weight not split over fsdp, all) sum it once a step, as OLMo-core's HSDP does. Gradients in
-    --reduce_dtype where the layers compute narrower (the fp8 block linears': fp32 either way)."""
+    """FSDP all-gathers each layer's weights split over fsdp once a microbatch (twice where --remat
+    recomputes the layers) and the others once a step, in the dtype the layers take them in (the fp8 block
+    linears: e4m3), and reduce-scatters each gradient once a microbatch; the devices that hold the same shard
+    but other tokens (data, context; for a weight not split over fsdp, all) sum it once a step, as
+    OLMo-core's HSDP does. Gradients in --reduce_dtype where the layers compute narrower (the fp8 block
+    linears': fp32 either way)."""
     model = olmo3.abstract(model_cfg, compute)
     fits = lambda w, n_in: compute.fp8 and olmo3.fp8_fits(w.shape[1:], n_in)  # stacked: a layer's shape
     fp8 = {id(w) for w, n in zip(olmo3.block_linears(model), olmo3.BLOCK_LINEAR_INPUTS) if fits(w, n)}
@@ -1447,7 +1448,7 @@ def weight_traffic_floor(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compu
         )
         whole, part = (shard.elements_held(ax, w.shape, mesh, gathered) for gathered in (True, False))
         if whole > part:  # split over fsdp
-            out["all-gather", wire] += whole * wire_bytes * n_micro * (remat if ax[0] == "layers" else 1)
+            out["all-gather", wire] += whole * wire_bytes * (n_micro * remat if ax[0] == "layers" else 1)
             out["reduce-scatter", grad] += whole * grad_bytes * n_micro
         if mesh.shape["data"] * mesh.shape["context"] * (1 if whole > part else mesh.shape["fsdp"]) > 1:
             out["all-reduce", grad] += part * grad_bytes
