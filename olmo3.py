@@ -261,9 +261,8 @@ def linear(
 # device's gradient of a weight exists on its own, to be cast up before it is summed.
 
 
-Devices = tuple[
-    int, int, int
-]  # how many devices split the tokens: rows over data, then fsdp; positions over context
+# How many devices split the tokens: each row whole over data, then over fsdp; a row's positions over context.
+Devices = tuple[int, int, int]
 
 
 def to_devices(x: Shaped[Array, "batch seq *rest"], devices: Devices) -> Shaped[Array, "..."]:
@@ -283,11 +282,13 @@ def on_each_device(fn: Callable) -> Callable:
     return jax.vmap(jax.vmap(jax.vmap(fn)))
 
 
-def per_device(fn: Callable, devices: Devices) -> Callable:
+def per_device(fn: Callable, devices: Devices | None) -> Callable:
     """`fn(x, w, *rest)`, a layer that treats each token on its own (a linear, a norm, a lookup; x "batch seq
     ..."), run on each device's tokens with that device's copy of the weights `w` (leading "data fsdp
     context" axes: shard.Layout.weights). The same numbers as `fn(x, w_whole, *rest)`; autodiff then leaves
-    each device's gradient of `w` apart, for the copies' backward pass to sum."""
+    each device's gradient of `w` apart, for the copies' backward pass to sum. No `devices`: `fn` itself."""
+    if devices is None:
+        return fn
 
     def run(x, w, *rest):
         each = on_each_device(lambda x, w: fn(x, w, *rest))
@@ -296,9 +297,12 @@ def per_device(fn: Callable, devices: Devices) -> Callable:
     return run
 
 
-def per_device_sums(fn: Callable, devices: Devices) -> Callable:
+def per_device_sums(fn: Callable, devices: Devices | None) -> Callable:
     """`fn(w, *tokens)`, sums over the tokens (a pytree of them: the LM head's loss), run as per_device runs a
-    layer, then added up over the devices in fp32. `tokens`: arrays "batch seq ..." (activations, targets)."""
+    layer, then added up over the devices in fp32. `tokens`: arrays "batch seq ..." (activations, targets).
+    No `devices`: `fn` itself."""
+    if devices is None:
+        return fn
 
     def run(w, *tokens):
         each = on_each_device(fn)(w, *(to_devices(t, devices) for t in tokens))
@@ -1078,7 +1082,7 @@ class Olmo3(eqx.Module):
                 a if a is None else a[..., order] for a in (tokens, documents, positions)
             )
         copies = layout.copies(compute.dtype) if layout is not None else None
-        x = (per_device(lookup, copies) if copies else lookup)(tokens, model.embed_tokens)
+        x = per_device(lookup, copies)(tokens, model.embed_tokens)
         if context > 1:
             x = layout.constrain(x, ("batch", "seq", None))
         attend = functools.partial(
@@ -1090,7 +1094,7 @@ class Olmo3(eqx.Module):
             max_documents=compute.max_documents,
         )
         x = model.layer_stack(x, layout, attend, positions)
-        x = (per_device(rms_norm, copies) if copies else rms_norm)(x, model.norm, cfg.norm_eps)
+        x = per_device(rms_norm, copies)(x, model.norm, cfg.norm_eps)
         return x if context == 1 else _row_order(x, context, x.ndim - 2)
 
     def layer_stack(self, x, layout, attend, positions) -> Float[Array, "*batch seq embed"]:
@@ -1100,7 +1104,7 @@ class Olmo3(eqx.Module):
         cfg, compute, seq = self.cfg, self.compute, x.shape[-2]
         copies = layout.copies(compute.dtype) if layout is not None else None
         dense = functools.partial(block_linear, fp8=compute.fp8, devices=copies)
-        norm = per_device(rms_norm, copies) if copies else rms_norm
+        norm = per_device(rms_norm, copies)
         types = cfg.layer_types[: cfg.period]
         ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in set(types)}
         groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), self.layers)
@@ -1206,7 +1210,7 @@ def lm_head_sums(
     time (0: the whole sequence); given `weights`, one per sum, also the gradients of the weighted total with
     respect to x and w (else None, None)."""
     batch, seq, embed = x.shape
-    chunk = chunk or seq
+    chunk = math.gcd(seq, chunk) if chunk else seq  # a divisor (per_device_sums: a device's positions)
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
 
     def one(dw_so_far, inputs):  # the chunks scan over the sequence, so the batch stays split over devices

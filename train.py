@@ -149,9 +149,8 @@ class TrainConfig:
 
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
     compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
-    reduce_dtype: str = recipe("float32", choices=("float32", "bfloat16"))  # the dtype each weight's gradient
-    # is summed over the devices in: OLMo-core's reduce_dtype, float32 in its scripts (each device's bf16
-    # gradient cast up, then summed); bfloat16: in the compute dtype, as autodiff sums (before this flag)
+    reduce_dtype: str = recipe("float32", choices=("float32", "bfloat16"))  # gradients summed over devices in
+    # it: OLMo-core's reduce_dtype (its scripts' float32); bfloat16: in the compute dtype, as before the flag
     microbatch: int = flag(0, low=0)  # instances per device per forward/backward; 0 = the device's share
     loss_chunk: int = flag(0, low=0)  # positions per chunk of the fused loss; 0 = the whole sequence
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
@@ -488,19 +487,15 @@ def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None, labe
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
     label_mask = jnp.ones(tokens.shape, bool) if label_mask is None else label_mask
     weight = jnp.where(targeted(keep, label_mask), row_weight[:, None], 0)  # batch seq
-    # Where the LM head is each device's own copy (shard.Layout.weights), each device's tokens meet its copy.
-    copies = layout.copies(model.compute.dtype) if layout is not None else None
+    copies = layout.copies(model.compute.dtype) if layout is not None else None  # olmo3.per_device
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            head = olmo3.per_device(olmo3.linear, copies) if copies else olmo3.linear
-            ce, zz = loss_sums(head(x, w, 1, x.dtype), targets, weight)
+            ce, zz = loss_sums(olmo3.per_device(olmo3.linear, copies)(x, w, 1, x.dtype), targets, weight)
             loss = ce + cfg.z_loss * zz
         else:
             weights = (jnp.float32(1), jnp.float32(cfg.z_loss))  # of the two sums, in the loss
-            chunk = math.gcd(x.shape[1] // (copies or (1, 1, 1))[2], cfg.loss_chunk)  # a device's positions
-            fused = lambda w, x, t, m: olmo3.fused_lm_head(x, w, loss_sums, t, m, weights, chunk)
-            fused = olmo3.per_device_sums(fused, copies) if copies else fused
-            loss, (ce, zz) = fused(w, x, targets, weight)
+            fused = lambda w, x, t, m: olmo3.fused_lm_head(x, w, loss_sums, t, m, weights, cfg.loss_chunk)
+            loss, (ce, zz) = olmo3.per_device_sums(fused, copies)(w, x, targets, weight)
             ce, zz = jax.lax.stop_gradient((ce, zz))
     return loss, (ce, cfg.z_loss * zz)
 
@@ -1397,22 +1392,21 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
 def report_traffic(hlo: str, floor: dict) -> None:
     """The dry run's traffic table: per kind of collective and element type, how many arrays a step moves
     and their bytes per device, beside the floor (traffic_floor), and how many of them run asynchronously
-    with compute scheduled between start and end (the rest stall the device)."""
+    with compute scheduled between their start and end (the others stall the device while they run)."""
     rows = shard.traffic(shard.collectives(hlo))
     say(
-        "traffic per device per step: each collective's arrays whole (gathered, or before the sum), the "
-        "layers' scan and the microbatches counted; floor: traffic_floor's"
+        "traffic per device per step, each array whole (gathered, or before its sum), every layer and "
+        "microbatch counted; floor: what this mesh and recipe need (train.traffic_floor)"
     )
     say(
         f"  {'collective':<18} {'type':<9} {'arrays':>7} {'MiB':>11} {'floor MiB':>11}  overlapped with compute"
     )
     mib = lambda b: f"{b / 2**20:,.1f}"
-    for kind, dtype in sorted(
-        rows.keys() | floor.keys(), key=lambda k: (shard.COLLECTIVES.index(k[0]), k[1])
-    ):
+    order = lambda key: (shard.COLLECTIVES.index(key[0]), key[1])
+    for kind, dtype in sorted(rows.keys() | floor.keys(), key=order):
         n, size, overlapped = rows.get((kind, dtype), (0, 0, 0))
-        said = mib(floor[kind, dtype]) if (kind, dtype) in floor else "-"
-        say(f"  {kind:<18} {dtype:<9} {n:>7} {mib(size):>11} {said:>11}  {overlapped} of {n}")
+        least = mib(floor[kind, dtype]) if (kind, dtype) in floor else "-"
+        say(f"  {kind:<18} {dtype:<9} {n:>7} {mib(size):>11} {least:>11}  {overlapped} of {n}")
     total = sum(size for _, size, _ in rows.values())
     say(f"  {'total':<18} {'':<9} {'':>7} {mib(total):>11} {mib(sum(floor.values())):>11}")
 
