@@ -1,6 +1,7 @@
 """Where the 7B and 32B recipes fit: `train.py --dry_run --topology` for each slice below, compiled by the TPU's
 own compiler (libtpu, the [tpu] extra) on this machine, with the real Splash kernel. Prints a markdown table:
-slice, flags, memory per device (state, activations, total), HBM, and the spare or the overshoot.
+slice, flags, memory per device (state, activations, total), HBM, the spare or the overshoot, and what a step
+sends per device (the dry run's traffic table: its total and its floor; --json holds each row of it).
 
     python bench/dry_run.py                    # every row below (hours on 2 cores: one compile at a time)
     python bench/dry_run.py --only 7b-256      # one group
@@ -81,6 +82,19 @@ ROWS = [
     ("fp8", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1 --fp8="),
     ("fp8", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1"),
     ("fp8", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1 --fp8="),
+    # What a step sends (the traffic table's totals beside its floor): stages 1 and 3 of the 7B and the 32B on
+    # 256 v5p chips, on Ironwood and on one 8 x H200 host.
+    *[
+        ("traffic", f"{p} {t}")
+        for p in ("7b", "32b")
+        for t in ("v5p-512", "tpu7x-512", "h200x8 --microbatch 1")
+    ],
+    ("traffic", "7b-long-context v5p-512 --mesh=fsdp=32,context=8"),
+    ("traffic", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1"),
+    ("traffic", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
+    ("traffic", "32b-long-context v5p-512 --mesh=fsdp=32,context=8 --microbatch 1"),
+    ("traffic", "32b-long-context tpu7x-512 --mesh=fsdp=64,context=8 --microbatch 1"),
+    ("traffic", "32b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
 ]
 
 
