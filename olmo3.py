@@ -42,7 +42,11 @@ MAX_PERIOD = 8  # the longest group of layer types the scan body unrolls
 REMAT_POLICIES = {
     "none": None,  # save everything
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer group's input
-    "save_matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The linears' matmuls: each device's own copy of a weight (per_device) gives them batch axes, so named too.
+    "save_matmuls": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names("linear"),
+    ),
     "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
 }
 # The attention paths; all compute the maths of `attention`'s reference path (see attention()).
@@ -252,6 +256,68 @@ def linear(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Each device with its own copy of the weights (shard.Layout.weights, where gradients are summed in a wider dtype
+# than the layers compute in): a layer runs on each device's tokens with that device's copy, so that each
+# device's gradient of a weight exists on its own, to be cast up before it is summed.
+
+
+# How many devices split the tokens: each row whole over data, then over fsdp; a row's positions over context.
+Devices = tuple[int, int, int]
+
+
+def to_devices(x: Shaped[Array, "batch seq *rest"], devices: Devices) -> Shaped[Array, "..."]:
+    """`x`'s tokens by the device that holds them, "data fsdp context batch seq ...": its rows split over
+    devices[0] x devices[1] devices, each row's positions over devices[2] (the row in its balanced order)."""
+    data, fsdp, context = devices
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(data, fsdp, b // (data * fsdp), context, s // context, *x.shape[2:]), 3, 2)
+
+
+def from_devices(x: Shaped[Array, "data fsdp context batch seq *rest"]) -> Shaped[Array, "..."]:
+    data, fsdp, context, b, s = x.shape[:5]
+    return jnp.moveaxis(x, 2, 3).reshape(data * fsdp * b, context * s, *x.shape[5:])
+
+
+def on_each_device(fn: Callable) -> Callable:
+    return jax.vmap(jax.vmap(jax.vmap(fn)))
+
+
+def per_device(fn: Callable, devices: Devices | None) -> Callable:
+    """`fn(x, w, *rest)`, a layer that treats each token on its own (a linear, a norm, a lookup; x "batch seq
+    ..."), run on each device's tokens with that device's copy of the weights `w` (leading "data fsdp
+    context" axes: shard.Layout.weights). The same numbers as `fn(x, w_whole, *rest)`; autodiff then leaves
+    each device's gradient of `w` apart, for the copies' backward pass to sum. No `devices`: `fn` itself."""
+    if devices is None:
+        return fn
+
+    def run(x, w, *rest):
+        each = on_each_device(lambda x, w: fn(x, w, *rest))
+        return from_devices(each(to_devices(x, devices), w))
+
+    return run
+
+
+def per_device_sums(fn: Callable, devices: Devices | None) -> Callable:
+    """`fn(w, *tokens)`, sums over the tokens (a pytree of them: the LM head's loss), run as per_device runs a
+    layer, then added up over the devices in fp32. `tokens`: arrays "batch seq ..." (activations, targets).
+    No `devices`: `fn` itself."""
+    if devices is None:
+        return fn
+
+    def run(w, *tokens):
+        each = on_each_device(fn)(w, *(to_devices(t, devices) for t in tokens))
+        return jax.tree.map(lambda s: s.sum((0, 1, 2)), each)
+
+    return run
+
+
+def lookup(
+    tokens: Int[Array, "*batch seq"], table: Float[Array, "vocab embed"]
+) -> Float[Array, "*batch seq embed"]:
+    return table[tokens]
+
+
+# ---------------------------------------------------------------------------------------------------------
 # FP8 linears: AI2 trained OLMo 3 7B's stage 3 with torchao's Float8Linear on every block linear, the "tensorwise"
 # recipe (one scale per tensor, recomputed from the tensor at every call) with scales rounded down to powers of
 # two and the weights cast to fp8 before FSDP's all-gather. fp8_linear computes what that computes.
@@ -293,8 +359,14 @@ def _fp8_dot(a, b, contract: tuple[int, int], scale, precision, dtype):
     return (y / scale).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1) -> Float[Array, "..."]:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 4))
+def fp8_linear(
+    x: Float[Array, "*lead in"],
+    w: Float[Array, "..."],
+    n_in: int = 1,
+    gathered: tuple | None = None,
+    devices: Devices = (1, 1, 1),
+) -> Float[Array, "..."]:
     """`linear(x, w, n_in)` as torchao's Float8Linear computes it under AI2's stage-3 settings (tensorwise,
     scales of activations and gradients rounded to powers of two, fp8 all-gather of FSDP weights). `w` is the
     fp32 master weight: under fp8 all-gather torchao casts it to e4m3 straight from fp32, with a scale from its
@@ -302,26 +374,31 @@ def fp8_linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 
     both scales, in x's dtype. Backward: the output gradient g in e5m2 (one scale per call), then
     grad x = g8 @ w8^T and grad w = x8^T @ g8, summed in fp32, each in x's dtype (FSDP reduces bf16 gradients;
     the master's gradient is that, in fp32). The forward matmul uses cuBLAS's fast accumulation as torchao's
-    does (DEFAULT precision), the backward ones not (HIGHEST). The numbers of the fp8 all-gather, not its
-    traffic: the layer scan gathers the fp32 master before this casts it (as_used)."""
-    return _fp8_fwd(x, w, n_in)[0]
+    does (DEFAULT precision), the backward ones not (HIGHEST).
+
+    On a mesh `gathered` is (w8, its scale) as FSDP's fp8 all-gather hands them over (fp8_gathered: the same
+    bits, the cast being elementwise), which both passes use; `w`, the sharded master, then only takes the
+    gradient. `devices`: the tokens' devices (Layout.copies) where gradients are summed in fp32: each device's
+    grad w in x's dtype, summed in fp32 (FSDP's reduce_dtype), as per_device does for the other layers."""
+    return _fp8_fwd(x, w, n_in, gathered, devices)[0]
 
 
-def _fp8_fwd(x, w, n_in):
-    if w.dtype != jnp.float32:
+def _fp8_fwd(x, w, n_in, gathered, devices):
+    if gathered is None and w.dtype != jnp.float32:
         raise ValueError(f"fp8_linear takes the fp32 master weight, got {w.dtype}")
+    qw, sw = fp8_weight(w) if gathered is None else gathered
     k = math.prod(w.shape[:n_in])
-    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
-    sx, sw = fp8_scale(x2, E4M3, power_of_2=True), fp8_scale(w2, E4M3, power_of_2=False)
-    qx, qw = fp8_quantize(x2, sx, E4M3), fp8_quantize(w2, sw, E4M3)
-    y = _fp8_dot(qx, qw, (1, 0), sx * sw, jax.lax.Precision.DEFAULT, x.dtype)
+    x2, qw2 = x.reshape(-1, k), qw.reshape(k, -1)
+    sx = fp8_scale(x2, E4M3, power_of_2=True)
+    qx = fp8_quantize(x2, sx, E4M3)
+    y = _fp8_dot(qx, qw2, (1, 0), sx * sw, jax.lax.Precision.DEFAULT, x.dtype)
     # Keeps x and w in fp8 for the backward pass (torchao keeps x in bf16 and casts it again, to the same
     # bits): a quarter of the fp32 weight's bytes, half of a bf16 activation's.
-    saved = (qx.reshape(x.shape), sx, qw.reshape(w.shape), sw)
+    saved = (qx.reshape(x.shape), sx, qw, sw)
     return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:]), saved
 
 
-def _fp8_bwd(n_in, saved, g):
+def _fp8_bwd(n_in, devices, saved, g):
     qx, sx, qw, sw = saved
     k = math.prod(qw.shape[:n_in])
     qx2, qw2 = qx.reshape(-1, k), qw.reshape(k, -1)
@@ -330,25 +407,63 @@ def _fp8_bwd(n_in, saved, g):
     qg = fp8_quantize(g2, sg, E5M2)  # one cast, used by both matmuls
     highest = jax.lax.Precision.HIGHEST
     dx = _fp8_dot(qg, qw2, (1, 1), sg * sw, highest, g.dtype)
-    dw = _fp8_dot(qx2, qg, (0, 0), sx * sg, highest, jnp.float32)
     # Rounded to g's precision (bf16) but kept in fp32: a cast down and back up would be one XLA may drop (it
     # allows excess precision), as it does on GPUs, where the unscaling joins the GEMM.
     bits = jnp.finfo(g.dtype)
-    dw = jax.lax.reduce_precision(dw, exponent_bits=bits.nexp, mantissa_bits=bits.nmant)
-    return dx.reshape(qx.shape), dw.reshape(qw.shape)
+    rounded = lambda dw: jax.lax.reduce_precision(dw, exponent_bits=bits.nexp, mantissa_bits=bits.nmant)
+    if devices == (1, 1, 1):
+        dw = rounded(_fp8_dot(qx2, qg, (0, 0), sx * sg, highest, jnp.float32))
+    else:  # each device's own ("data fsdp context in out"), rounded, then summed in fp32 as Layout.weights sums
+        mine = lambda t: to_devices(t.reshape(*qx.shape[:2], -1), devices).reshape(*devices, -1, t.shape[-1])
+        dims = (((3,), (3,)), ((0, 1, 2), (0, 1, 2)))
+        each = jax.lax.dot_general(mine(qx2), mine(qg), dims, highest, preferred_element_type=jnp.float32)
+        dw = rounded(each / (sx * sg)).sum(1).sum((0, 1))  # within each fsdp group, then across them
+    return dx.reshape(qx.shape), dw.reshape(qw.shape), None
 
 
 fp8_linear.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def block_linear(x: Float[Array, "*lead in"], w: Float[Array, "..."], n_in: int = 1, fp8: str = ""):
-    """A block's linear under Compute.fp8: in FP8 where fp8 GEMMs take the sizes (the contracted and the output
-    size multiples of 16: torchao's rule, which leaves other linears alone), else in x's dtype (Olmo3.as_used
-    leaves these weights in fp32 when fp8 is on)."""
-    k, n = math.prod(w.shape[:n_in]), math.prod(w.shape[n_in:])
-    if fp8 == "tensorwise" and k % 16 == 0 and n % 16 == 0:
+def fp8_weight(w: Float[Array, "..."]) -> tuple[Shaped[Array, "..."], Float[Array, ""]]:
+    """The fp32 master weight `w` in e4m3 and its scale, as torchao's fp8 all-gather casts it: the scale from
+    the whole weight's amax (on a mesh, an all-reduce of each shard's), not rounded to a power of two."""
+    scale = fp8_scale(w, E4M3, power_of_2=False)
+    return fp8_quantize(w, scale, E4M3), scale
+
+
+class Fp8Weight(eqx.Module):
+    """A block linear's weight as FSDP's fp8 all-gather hands it to the layer (fp8_gathered)."""
+
+    master: Float[Array, "..."]  # the fp32 master, as sharded: its gradient goes here
+    bits: Shaped[Array, "..."]  # e4m3, all-gathered
+    scale: Float[Array, ""]
+
+
+def fp8_fits(shape: tuple[int, ...], n_in: int) -> bool:
+    """Whether fp8 GEMMs take a linear's weight of this shape: the contracted and the output size multiples
+    of 16 (torchao's rule, which leaves other linears alone)."""
+    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
+    return k % 16 == 0 and n % 16 == 0
+
+
+def block_linear(
+    x: Float[Array, "*lead in"],
+    w,
+    n_in: int = 1,
+    fp8: str = "",
+    devices: Devices | None = None,
+):
+    """A block's linear: under Compute.fp8 in FP8 where fp8 GEMMs take the sizes (fp8_fits), else in x's dtype
+    (Olmo3.as_used leaves the fp8 linears' weights in fp32). `w`: a weight, or on a mesh an Fp8Weight
+    (fp8_gathered), or with `devices` each device's copy (per_device)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w.master, n_in, (w.bits, w.scale), devices or (1, 1, 1))
+    if fp8 == "tensorwise" and devices is None and fp8_fits(w.shape, n_in):
         return fp8_linear(x, w, n_in)
-    return linear(x, w.astype(x.dtype), n_in)
+    if devices is None:
+        return linear(x, w.astype(x.dtype), n_in)
+    # Named, so that --remat save_matmuls saves it: per device the matmul has batch axes (REMAT_POLICIES).
+    return checkpoint_name(per_device(linear, devices)(x, w, n_in), "linear")
 
 
 def rope_frequencies(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
@@ -837,10 +952,11 @@ class Attention(eqx.Module):
         window: int | None,
         cfg: Olmo3Config,
         attend=attention,
-        dense=linear,  # the projections' matmul: linear, or block_linear under Compute.fp8
+        dense=linear,  # the projections' matmul: linear, or block_linear (Compute.fp8, a mesh's copies)
+        norm=rms_norm,  # or per_device(rms_norm) for a mesh's per-device copies
     ) -> Float[Array, "*batch seq embed"]:
-        q = rms_norm(dense(x, self.q_proj), self.q_norm, cfg.norm_eps)
-        k = rms_norm(dense(x, self.k_proj), self.k_norm, cfg.norm_eps)
+        q = norm(dense(x, self.q_proj), self.q_norm, cfg.norm_eps)
+        k = norm(dense(x, self.k_proj), self.k_norm, cfg.norm_eps)
         v = dense(x, self.v_proj)
         with jax.named_scope("attention"):
             out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, window)
@@ -885,15 +1001,16 @@ class Block(eqx.Module):
         cfg: Olmo3Config,
         attend=attention,
         dense=linear,
+        norm=rms_norm,
     ) -> Float[Array, "*batch seq embed"]:
         # Reordered norm: normalise each sublayer's output, then add it to the residual stream.
-        h = x + rms_norm(
-            self.self_attn(x, cos, sin, window, cfg, attend, dense),
+        h = x + norm(
+            self.self_attn(x, cos, sin, window, cfg, attend, dense, norm),
             self.post_attention_layernorm,
             cfg.norm_eps,
         )
         with jax.named_scope("mlp"):
-            return h + rms_norm(self.mlp(h, dense), self.post_feedforward_layernorm, cfg.norm_eps)
+            return h + norm(self.mlp(h, dense), self.post_feedforward_layernorm, cfg.norm_eps)
 
 
 class Olmo3(eqx.Module):
@@ -923,15 +1040,17 @@ class Olmo3(eqx.Module):
     def as_used(self, layout=None) -> "Olmo3":
         """The weights as the layers use them. The dtype policy, in one place: fp32 master weights, cast
         to the compute dtype here (RMSNorm, RoPE, softmax and the logits still compute in fp32 inside).
-        Then `layout` (shard.Layout, the mesh) places them: with FSDP it all-gathers each weight where it
-        is used, except the layer stack, which the scan gathers one layer at a time. Under Compute.fp8 the
-        block linears stay fp32: fp8_linear casts the master weight to fp8 itself, as torchao does (so the
-        scan gathers them in fp32, where AI2's FSDP gathers the fp8 bits)."""
+        Under Compute.fp8 the block linears stay fp32: fp8_linear casts the master weight to fp8 itself, as
+        torchao does. On a mesh `layout` (shard.Layout) casts and places them (Layout.weights: all-gathered
+        over fsdp, or each device's own copy), except the layer stack, which the scan places one layer at a
+        time (placed_block; its fp8 linears gathered as fp8 bits)."""
+        if layout is not None:
+            return layout.weights(self, self.compute.dtype)
         dtype = self.compute.dtype
         model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
         if self.compute.fp8:
             model = eqx.tree_at(block_linears, model, block_linears(self))
-        return layout.gather(model) if layout is not None else model
+        return model
 
     def features(
         self,
@@ -962,7 +1081,8 @@ class Olmo3(eqx.Module):
             tokens, documents, positions = (
                 a if a is None else a[..., order] for a in (tokens, documents, positions)
             )
-        x = model.embed_tokens[tokens]
+        copies = layout.copies(compute.dtype) if layout is not None else None
+        x = per_device(lookup, copies)(tokens, model.embed_tokens)
         if context > 1:
             x = layout.constrain(x, ("batch", "seq", None))
         attend = functools.partial(
@@ -974,7 +1094,7 @@ class Olmo3(eqx.Module):
             max_documents=compute.max_documents,
         )
         x = model.layer_stack(x, layout, attend, positions)
-        x = rms_norm(x, model.norm, cfg.norm_eps)
+        x = per_device(rms_norm, copies)(x, model.norm, cfg.norm_eps)
         return x if context == 1 else _row_order(x, context, x.ndim - 2)
 
     def layer_stack(self, x, layout, attend, positions) -> Float[Array, "*batch seq embed"]:
@@ -982,7 +1102,9 @@ class Olmo3(eqx.Module):
         OLMo 3: S, S, S, F), so the compiled program holds one group whatever the depth, and each layer's
         window is static."""
         cfg, compute, seq = self.cfg, self.compute, x.shape[-2]
-        dense = functools.partial(block_linear, fp8=compute.fp8) if compute.fp8 else linear
+        copies = layout.copies(compute.dtype) if layout is not None else None
+        dense = functools.partial(block_linear, fp8=compute.fp8, devices=copies)
+        norm = per_device(rms_norm, copies)
         types = cfg.layer_types[: cfg.period]
         ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in set(types)}
         groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), self.layers)
@@ -990,8 +1112,8 @@ class Olmo3(eqx.Module):
         def group(x, blocks):
             for i, t in enumerate(types):
                 block = jax.tree.map(lambda w: w[i], blocks)
-                block = layout.gather(block) if layout is not None else block
-                x = block(x, *ropes[t], cfg.window(t), cfg, attend, dense)
+                block = placed_block(block, compute, layout) if layout is not None else block
+                x = block(x, *ropes[t], cfg.window(t), cfg, attend, dense, norm)
             return x, None
 
         if compute.remat != "none":
@@ -999,11 +1121,43 @@ class Olmo3(eqx.Module):
         return jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)[0]
 
 
-def block_linears(model: "Olmo3") -> list:
-    """The weights of the blocks' linears (the FP8 ones under Compute.fp8); not the LM head or the embedding,
-    which stay in the compute dtype, as in AI2's recipe."""
-    a, m = model.layers.self_attn, model.layers.mlp
+def block_linears(model: "Olmo3 | Block") -> list:
+    """The weights of the blocks' linears (the FP8 ones under Compute.fp8), of a model or one block; not the
+    LM head or the embedding, which stay in the compute dtype, as in AI2's recipe."""
+    block = model.layers if isinstance(model, Olmo3) else model
+    a, m = block.self_attn, block.mlp
     return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+
+
+BLOCK_LINEAR_INPUTS = (1, 1, 1, 2, 1, 1, 1)  # each one's input axes (o_proj: heads x head_dim), n_in
+
+
+def placed_block(block: Block, compute: Compute, layout) -> Block:
+    """One layer's fp32 masters as its layers compute with them on a mesh: cast and placed by `layout`
+    (shard.Layout.weights); under Compute.fp8 its fp8 linears as FSDP's fp8 all-gather hands them over."""
+    if not compute.fp8:
+        return layout.weights(block, compute.dtype)
+    fp8 = fp8_gathered(block, layout)
+    rest = eqx.tree_at(
+        block_linears, block, [w if f is None else None for w, f in zip(block_linears(block), fp8)]
+    )
+    used = layout.weights(rest, compute.dtype)
+    linears = [w if f is None else f for w, f in zip(block_linears(used), fp8)]
+    return eqx.tree_at(block_linears, used, linears, is_leaf=lambda x: x is None)
+
+
+def fp8_gathered(block: Block, layout) -> list:
+    """The block's fp8 linears as torchao's fp8 all-gather hands them over (AI2's enable_fsdp_float8_all_gather):
+    each fp32 master cast to e4m3 with the scale of its whole amax (fp8_weight: an all-reduce of each shard's),
+    then the e4m3 bits all-gathered, one byte an element on the wire; None for a linear fp8 GEMMs do not take
+    (fp8_fits), which stays in the compute dtype."""
+    masters = block_linears(block)
+    fits = [fp8_fits(w.shape, n_in) for w, n_in in zip(masters, BLOCK_LINEAR_INPUTS, strict=True)]
+    cast = [fp8_weight(jax.lax.stop_gradient(w)) if ok else None for w, ok in zip(masters, fits)]
+    bits = block_linears(
+        layout.gather(eqx.tree_at(block_linears, block, [c[0] if c else w for c, w in zip(cast, masters)]))
+    )
+    return [Fp8Weight(w, b, c[1]) if c else None for w, b, c in zip(masters, bits, cast)]
 
 
 def _row_order(x: Shaped[Array, "..."], context: int, axis: int) -> Shaped[Array, "..."]:
@@ -1056,7 +1210,7 @@ def lm_head_sums(
     time (0: the whole sequence); given `weights`, one per sum, also the gradients of the weighted total with
     respect to x and w (else None, None)."""
     batch, seq, embed = x.shape
-    chunk = chunk or seq
+    chunk = math.gcd(seq, chunk) if chunk else seq  # a divisor (per_device_sums: a device's positions)
     by_chunk = lambda a: jnp.moveaxis(a.reshape(batch, seq // chunk, chunk, *a.shape[2:]), 1, 0)
 
     def one(dw_so_far, inputs):  # the chunks scan over the sequence, so the batch stays split over devices

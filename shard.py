@@ -25,6 +25,7 @@ import warnings
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -411,6 +412,186 @@ def fit_report(compile_step, mesh: Mesh, target: Target | None, tips: str, say=p
 
 
 # ---------------------------------------------------------------------------------------------------------
+# What a compiled step sends between devices: its collectives, read from the optimized HLO text (as_text()).
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# What a device computes between an asynchronous collective's start and its end, if scheduled there.
+COMPUTE = {"fusion", "convolution", "dot", "custom-call", "while", "call", "conditional", "sort", "scatter"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program."""
+
+    kind: str  # one of COLLECTIVES
+    arrays: tuple[
+        tuple[str, int], ...
+    ]  # each array it moves whole (gathered, or summed): element type, bytes
+    runs: int  # how often a step runs it: the trip counts of the loops around it (layers, microbatches)
+    overlapped: bool | None  # asynchronous, with compute scheduled between start and end; None: synchronous
+    reduction: str  # what it combines with (add, maximum, ...); "" for gathers and permutes
+    padded: bool  # an all-reduce of zero-padded shards (dynamic-update-slice): XLA's way of gathering small arrays
+
+
+@dataclasses.dataclass
+class _Op:
+    name: str
+    type: str
+    opcode: str
+    args: str  # the text between its parentheses: operands, or a constant's value
+    attributes: str
+
+    @property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.args)
+
+
+def _outside(text: str, char: str, depth: int = 0) -> int:
+    """The index of the first `char` in `text` outside parentheses, `depth` of them open at its start."""
+    for i, c in enumerate(text):
+        if c == char and depth == (char == ")"):
+            return i
+        depth += (c == "(") - (c == ")")
+    return len(text)
+
+
+def _parse_op(line: str) -> _Op | None:
+    """`%name = TYPE opcode(operands), attributes` -> _Op; None for other lines. A tuple TYPE holds spaces and
+    parentheses, so it is read to its closing parenthesis."""
+    head = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = ", line)
+    if not head:
+        return None
+    rest = line[head.end() :]
+    end = _outside(rest, " ")
+    op = re.match(r"([\w\-]+)\(", rest[end + 1 :])
+    if not op:
+        return None
+    args = rest[end + 1 + op.end() :]
+    stop = _outside(args, ")", depth=1)
+    return _Op(head[1], rest[:end], op[1], args[:stop], args[stop + 1 :])
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Op]], str]:
+    """Each computation's instructions, in the order the schedule runs them (HLO text defines each
+    computation before those that call it), and the entry computation's name."""
+    out, current, entry = {}, None, ""
+    for line in hlo.splitlines():
+        if m := re.match(r"(ENTRY )?%([\w.\-]+) .*\{$", line):
+            current, entry = out.setdefault(m[2], []), m[2] if m[1] else entry
+        elif current is not None and (op := _parse_op(line)):
+            current.append(op)
+    return out, entry
+
+
+def _arrays(hlo_type: str) -> list[tuple[str, int]]:
+    """(element type, bytes) of each array in an HLO type (a tuple's too); tokens are none."""
+    found = re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", hlo_type)
+    bits = lambda name: int(re.search(r"\d+", name)[0]) if re.search(r"\d", name) else 8  # pred: a byte
+    return [
+        (name, math.prod(int(d) for d in dims.split(",") if d) * bits(name) // 8)
+        for name, dims in found
+        if name != "token"
+    ]
+
+
+def _trip_count(op: _Op, comps: dict[str, list[_Op]], ops: dict[str, _Op]) -> int:
+    """How many times a while loop runs its body: the GPU compiler states it; otherwise its condition's bound
+    (counter < N; the counter from its start value in the loop's initial tuple, JAX's scans from 0)."""
+    if m := re.search(r'known_trip_count":\{"n":"(\d+)"', op.attributes):
+        return int(m[1])
+    condition = re.search(r"condition=%([\w.\-]+)", op.attributes)[1]
+    constant = lambda o: int(o.args) if o is not None and o.opcode == "constant" else None
+    for c in comps[condition]:
+        if c.opcode == "compare" and "direction=LT" in c.attributes:
+            counter, bound = (ops.get(n) for n in c.operands)
+            index = re.search(r"index=(\d+)", counter.attributes) if counter else None
+            init = ops.get(op.operands[0])
+            start = (
+                ops.get(init.operands[int(index[1])]) if init and index and init.opcode == "tuple" else None
+            )
+            return (constant(bound) or 1) - (constant(start) or 0)
+    return 1
+
+
+def _runs(comps: dict[str, list[_Op]], entry: str, ops: dict[str, _Op]) -> tuple[dict, dict]:
+    """How many times a step runs each computation (loops' trip counts multiplied), and the instruction that
+    calls each (with the computation it is in)."""
+    runs, caller = dict.fromkeys(comps, 0), {}
+    runs[entry] = 1
+    for name in reversed(list(comps)):  # a caller after its callees in the text: this visits callers first
+        for op in comps[name]:
+            trip = _trip_count(op, comps, ops) if op.opcode == "while" else 1
+            for callee in re.findall(r"%([\w.\-]+)", op.attributes):
+                if callee in comps:
+                    runs[callee] += runs[name] * trip
+                    caller.setdefault(callee, (name, op))
+    return runs, caller
+
+
+def _overlapped(op: _Op, where: str, comps: dict[str, list[_Op]], caller: dict) -> bool | None:
+    """Whether a collective runs asynchronously with compute scheduled between its start and its end; None if
+    it is synchronous. The start is the op itself (GPU's all-gather-start) or the async start (async-start,
+    call-start) of the computation that holds it (XLA wraps collectives so)."""
+    unit = op if op.opcode.endswith("-start") else None
+    while unit is None and where in caller:
+        parent, call = caller[where]
+        if not call.opcode.endswith("-start") and call.opcode != "call":
+            return None
+        unit, where = (call if call.opcode.endswith("-start") else None), parent
+    if unit is None:
+        return None
+    body, waiting = comps[where], {unit.name}
+    start = next(i for i, o in enumerate(body) if o.name == unit.name)
+    for between in body[start + 1 :]:
+        if between.opcode.endswith("-done") and waiting & set(between.operands):
+            return False
+        if between.opcode == "async-update" and waiting & set(between.operands):
+            waiting.add(between.name)
+        elif between.opcode in COMPUTE:
+            return True
+    return False
+
+
+def collectives(hlo: str) -> list[Collective]:
+    """Every collective instruction of a compiled program (its optimized HLO text), with what it moves: an
+    all-gather its gathered arrays, the others the arrays they take (a reduce-scatter the whole arrays it
+    sums), each counted whole on each device, as often as the step runs it."""
+    comps, entry = _computations(hlo)
+    ops = {op.name: op for body in comps.values() for op in body}
+    runs, caller = _runs(comps, entry, ops)
+    taken = lambda op: [a for name in op.operands for a in _arrays(ops[name].type)]
+    found = []
+    for where, body in comps.items():
+        for op in (op for op in body if op.opcode.removesuffix("-start") in COLLECTIVES):
+            kind = op.opcode.removesuffix("-start")
+            moved = _arrays(op.type) if kind == "all-gather" else taken(op)
+            if op.opcode == "all-gather-start":  # (the shards it takes, the arrays it gathers)
+                moved = moved[len(taken(op)) :]
+            combine = re.search(r"to_apply=%([\w.\-]+)", op.attributes)
+            reduction = comps[combine[1]][-1].opcode if combine else ""
+            padded = kind == "all-reduce" and all(
+                ops[n].opcode == "dynamic-update-slice" for n in op.operands
+            )
+            overlapped = _overlapped(op, where, comps, caller)
+            found.append(Collective(kind, tuple(moved), runs[where], overlapped, reduction, padded))
+    return found
+
+
+def traffic(found: list[Collective]) -> dict[tuple[str, str], list[int]]:
+    """(kind, element type) -> [arrays, bytes, arrays overlapped with compute], each as often as it runs."""
+    out = {}
+    for c in found:
+        for dtype, size in c.arrays:
+            row = out.setdefault((c.kind, dtype), [0, 0, 0])
+            row[0], row[1], row[2] = (
+                row[0] + c.runs,
+                row[1] + c.runs * size,
+                row[2] + c.runs * bool(c.overlapped),
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Parameters: logical names from olmo3.py's annotations, then the rules.
 
 
@@ -462,6 +643,24 @@ def spec(axes: tuple, shape: tuple[int, ...], mesh: Mesh, gathered: bool = False
     return P(*out)
 
 
+def cast(w, dtype):
+    """`w` in `dtype`, cast where it is (before it is gathered). The barrier keeps it there: XLA's GPU compiler
+    would move the cast past the all-gather and send fp32 (measured: the LM head's, doubling its bytes)."""
+    return w if w.dtype == jnp.dtype(dtype) else jax.lax.optimization_barrier(w.astype(dtype))
+
+
+def with_axes(tree) -> list[tuple]:
+    """(array, its logical axes) for each array of `tree`, in jax.tree.leaves' order."""
+    axes = [ax for ax in jax.tree.leaves(logical_axes(tree), is_leaf=_is_axes) if ax is not None]
+    return list(zip(jax.tree.leaves(eqx.filter(tree, is_array)), axes, strict=True))
+
+
+def elements_held(axes: tuple, shape: tuple[int, ...], mesh: Mesh, gathered: bool = False) -> int:
+    """How many of an array's elements one device holds, laid out by RULES (`gathered`: as a layer uses it)."""
+    split = [a for s in spec(axes, shape, mesh, gathered) if s for a in ((s,) if isinstance(s, str) else s)]
+    return math.prod(shape) // math.prod(mesh.shape[a] for a in split)
+
+
 def abstract(tree, shardings):
     """`tree` with every array abstract (shape and dtype) and carrying its sharding: what a restore places
     arrays by, and what a compile-only step takes as inputs."""
@@ -507,31 +706,100 @@ def gather(tree, mesh: Mesh):
     whole at a time, as FSDP intends.
     """
 
-    def place(ax, x):
-        if ax is None or ax[:1] == ("layers",):
-            return x
-        where = NamedSharding(mesh, spec(ax, x.shape, mesh, gathered=True))
-        return jax.lax.with_sharding_constraint(x, where)
-
+    place = lambda ax, x: x if ax is None or ax[:1] == ("layers",) else gather_array(x, ax, mesh)
     return jax.tree.map(place, logical_axes(tree), tree, is_leaf=_is_axes)
+
+
+def gather_array(x, axes: tuple, mesh: Mesh):
+    """One array of logical `axes` where a layer uses it (gather)."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec(axes, x.shape, mesh, gathered=True)))
 
 
 class Layout:
     """The mesh as the model sees it: olmo3.py names logical axes and never imports this file, so the
-    train step hands it this object, which knows the mesh and RULES."""
+    train step hands it this object, which knows the mesh and RULES. `reduce_dtype`: the dtype in which the
+    backward pass sums each weight's gradient over the devices (OLMo-core's reduce_dtype) where the layers
+    compute in a narrower one; None: in the dtype they compute in, as autodiff sums by itself (and as a step
+    without a backward pass needs nothing else)."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+    def __init__(self, mesh: Mesh, reduce_dtype: str | None = None):
+        self.mesh, self.reduce_dtype = mesh, reduce_dtype
         self.platform = mesh.devices.flat[0].platform  # what the step is compiled for: "tpu", "cpu", ...
 
-    def __eq__(self, other):  # static under jit: equal meshes, one compiled step
-        return isinstance(other, Layout) and other.mesh == self.mesh
+    def __eq__(self, other):  # static under jit: equal layouts, one compiled step
+        return isinstance(other, Layout) and other.key == self.key
 
     def __hash__(self):
-        return hash(self.mesh)
+        return hash(self.key)
+
+    @property
+    def key(self) -> tuple:
+        return self.mesh, self.reduce_dtype
 
     def gather(self, tree):
         return gather(tree, self.mesh)
+
+    def copies(self, dtype) -> tuple[int, int, int] | None:
+        """How many copies of each weight `weights` makes for layers that compute in `dtype`, along the mesh
+        axes that split the tokens (data, fsdp: rows; context: each row's positions): one per device that
+        holds other tokens, where the gradients are summed in a wider reduce_dtype. None where autodiff's own
+        sums are the recipe's: fp32 layers, reduce_dtype None or no wider, one device holding every token."""
+        devices = tuple(self.mesh.shape[a] for a in ("data", "fsdp", "context"))
+        reduce = self.reduce_dtype is not None and jnp.dtype(self.reduce_dtype).itemsize
+        return devices if reduce and reduce > jnp.dtype(dtype).itemsize and math.prod(devices) > 1 else None
+
+    def weights(self, tree, dtype):
+        """`tree`'s fp32 master weights as the layers compute with them: cast to `dtype`, then all-gathered
+        over fsdp (gather; the cast is elementwise, so it goes first and the gather sends `dtype`'s bytes);
+        the layer stack's arrays as they are (olmo3's scan places one layer at a time).
+
+        Autodiff sums a weight's gradient over the devices where the gradient is made, in the dtype it is
+        made in: XLA's partitioner reduces the partial sums of a matmul over a split axis right after it, so a
+        bf16 layer's gradients would be summed in bf16. OLMo-core (FSDP with param_dtype bf16, reduce_dtype
+        fp32) casts each rank's bf16 gradient to fp32 first, then reduce-scatters. Where `copies(dtype)` says,
+        this does the same: each device that holds other tokens gets its own copy of each weight (leading
+        "rows positions" axes split as the tokens are: no bytes sent), olmo3.per_device runs the layers on
+        each device's tokens with its own copy, so each device's gradient stays its own; this function's
+        backward pass casts those to reduce_dtype and sums them into the master's layout (one reduce-scatter
+        over fsdp, an all-reduce over data and context)."""
+        dynamic, static = eqx.partition(tree, eqx.is_inexact_array)
+        pairs = with_axes(dynamic)
+        placed = [i for i, (_, ax) in enumerate(pairs) if ax[:1] != ("layers",)]
+        if self.copies(dtype) is None:
+            used = [gather_array(cast(w, dtype), ax, self.mesh) for w, ax in (pairs[i] for i in placed)]
+        else:
+            used = self._copies([pairs[i][0] for i in placed], [pairs[i][1] for i in placed], dtype)
+        leaves = [w for w, _ in pairs]
+        for i, w in zip(placed, used, strict=True):
+            leaves[i] = w
+        return eqx.combine(jax.tree.unflatten(jax.tree.structure(dynamic), leaves), static)
+
+    def _copies(self, masters: list, axes: list[tuple], dtype) -> list:
+        """The per-device copies of `weights`, with the backward pass that sums them in reduce_dtype."""
+        mesh, devices = self.mesh, self.copies(dtype)
+        data, fsdp, context = (a if mesh.shape[a] > 1 else None for a in ("data", "fsdp", "context"))
+        place = lambda x, ax, gathered, *lead: jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, P(*lead, *spec(ax, x.shape[len(lead) :], mesh, gathered)))
+        )
+        bits = jnp.finfo(dtype)
+
+        @jax.custom_vjp
+        def copies(masters):
+            whole = [gather_array(cast(w, dtype), ax, mesh) for w, ax in zip(masters, axes)]
+            copy = lambda w: jnp.broadcast_to(w, (*devices, *w.shape))
+            return [place(copy(w), ax, True, data, fsdp, context) for w, ax in zip(whole, axes)]
+
+        def backward(_, grads):
+            # Each device's gradient in `dtype`, cast up, then summed as HSDP sums: within each fsdp group into
+            # the master's shards (a reduce-scatter), then the shards across the groups (an all-reduce). The
+            # rounding is stated: XLA may keep a bf16 gradient in fp32 when it is cast up at once (it allows
+            # excess precision).
+            up = lambda g: jax.lax.reduce_precision(g.astype(self.reduce_dtype), bits.nexp, bits.nmant)
+            shards = lambda g, ax: place(up(g).sum(1), ax, False, data, context)
+            return ([place(shards(g, ax).sum((0, 1)), ax, False) for g, ax in zip(grads, axes)],)
+
+        copies.defvjp(lambda masters: (copies(masters), None), backward)
+        return copies(masters)
 
     def context(self, seq: int) -> int:
         """Over how many devices a row of `seq` positions is split (olmo3.balanced_order): the context axis's,

@@ -119,6 +119,8 @@ class TrainConfig:
 
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
     compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
+    reduce_dtype: str = recipe("float32", choices=("float32", "bfloat16"))  # gradients summed over devices in
+    # it: OLMo-core's reduce_dtype (its scripts' float32); bfloat16: in the compute dtype, as before the flag
     microbatch: int = flag(0, low=0)  # instances per device per forward/backward; 0 = the device's share
     loss_chunk: int = flag(0, low=0)  # positions per chunk of the fused loss; 0 = the whole sequence
     deterministic: bool = True  # GPUs: bitwise-repeatable steps, which exact resumption needs (cost: bench/)
@@ -454,13 +456,15 @@ def loss_fn(model, tokens, keep, row_weight, cfg: TrainConfig, layout=None, labe
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
     label_mask = jnp.ones(tokens.shape, bool) if label_mask is None else label_mask
     weight = jnp.where(targeted(keep, label_mask), row_weight[:, None], 0)  # batch seq
+    copies = layout.copies(model.compute.dtype) if layout is not None else None  # olmo3.per_device
     with jax.named_scope("loss"):
         if cfg.loss == "reference":
-            ce, zz = loss_sums(olmo3.linear(x, w, out_dtype=x.dtype), targets, weight)
+            ce, zz = loss_sums(olmo3.per_device(olmo3.linear, copies)(x, w, 1, x.dtype), targets, weight)
             loss = ce + cfg.z_loss * zz
         else:
             weights = (jnp.float32(1), jnp.float32(cfg.z_loss))  # of the two sums, in the loss
-            loss, (ce, zz) = olmo3.fused_lm_head(x, w, loss_sums, targets, weight, weights, cfg.loss_chunk)
+            fused = lambda w, x, t, m: olmo3.fused_lm_head(x, w, loss_sums, t, m, weights, cfg.loss_chunk)
+            loss, (ce, zz) = olmo3.per_device_sums(fused, copies)(w, x, targets, weight)
             ce, zz = jax.lax.stop_gradient((ce, zz))
     return loss, (ce, cfg.z_loss * zz)
 
@@ -489,7 +493,7 @@ def train_step(
     document number. On a mesh (shard.py), the model and optimizer state keep their shardings, and each
     weight is all-gathered where a layer uses it (shard.Layout)."""
     rows, seq = batch.shape
-    layout = None if mesh is None else shard.Layout(mesh)
+    layout = None if mesh is None else shard.Layout(mesh, cfg.reduce_dtype)
     params = eqx.filter(model, olmo3.is_array)
     grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
     keep = jnp.ones(rows, bool) if keep is None else keep
@@ -978,6 +982,8 @@ def with_recipe_defaults(meta: dict) -> dict:
     if "config" not in meta:
         return meta
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in RECIPE_FIELDS}
+    # Before --reduce_dtype, gradients were summed in the compute dtype.
+    defaults["reduce_dtype"] = meta["config"].get("compute", {}).get("dtype", "float32")
     return meta | {"config": defaults | meta["config"]}
 
 
@@ -1366,15 +1372,106 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
     tips = ", ".join([*tips, "more chips, or a tensor or context axis in --mesh"])
     fits = shard.fit_report(lambda: compile_for(n_micro), mesh, target, tips, say)
     if fits:  # what runs the matmuls (fp8 under --fp8?), as the target's compiler emitted them
-        kinds = matmul_kinds(compile_for(n_micro)[0].as_text()).most_common()
+        hlo = compile_for(n_micro)[0].as_text()
+        kinds = matmul_kinds(hlo).most_common()
         said = ", ".join(f"{n} {kind}" for kind, n in kinds)
         say(f"matmuls in the compiled step (the layer scan's body once): {said}")
+        report_traffic(hlo, traffic_floor(cfg, mesh, model_cfg, compute, n_micro))
     report_eval_steps(cfg, mesh, model_cfg, compute, n_micro, target)
     if compute.attention == "reference":
         say("  (the reference attention materialises seq x seq scores; Splash and cuDNN need far less)")
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
     say(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
     return 0 if fits else 1
+
+
+def report_traffic(hlo: str, floor: dict) -> None:
+    """The dry run's traffic table: per kind of collective and element type, how many arrays a step moves
+    and their bytes per device, beside the floor (traffic_floor), and how many of them run asynchronously
+    with compute scheduled between their start and end (the others stall the device while they run)."""
+    rows = shard.traffic(shard.collectives(hlo))
+    say(
+        "traffic per device per step, each array whole (gathered, or before its sum), every layer and "
+        "microbatch counted; floor: what this mesh and recipe need (train.traffic_floor)"
+    )
+    say(
+        f"  {'collective':<18} {'type':<9} {'arrays':>7} {'MiB':>11} {'floor MiB':>11}  overlapped with compute"
+    )
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    order = lambda key: (shard.COLLECTIVES.index(key[0]), key[1])
+    for kind, dtype in sorted(rows.keys() | floor.keys(), key=order):
+        n, size, overlapped = rows.get((kind, dtype), (0, 0, 0))
+        least = mib(floor[kind, dtype]) if (kind, dtype) in floor else "-"
+        say(f"  {kind:<18} {dtype:<9} {n:>7} {mib(size):>11} {least:>11}  {overlapped} of {n}")
+    total = sum(size for _, size, _ in rows.values())
+    say(f"  {'total':<18} {'':<9} {'':>7} {mib(total):>11} {mib(sum(floor.values())):>11}")
+
+
+HLO_TYPES = {"float32": ("f32", 4), "bfloat16": ("bf16", 2)}  # a dtype's name in HLO text, its bytes
+E4M3 = ("f8e4m3fn", 1)
+
+
+def traffic_floor(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int) -> dict:
+    """(collective, element type) -> the bytes per device a step must move at least, counted as the dry
+    run counts them (each array whole): the weights' (weight_traffic_floor) and the activations'
+    (activation_traffic_floor)."""
+    weights = weight_traffic_floor(cfg, mesh, model_cfg, compute, n_micro)
+    return dict(weights + activation_traffic_floor(cfg, mesh, model_cfg, compute, n_micro))
+
+
+def weight_traffic_floor(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int):
+    """FSDP all-gathers each layer's weights split over fsdp once a microbatch (twice where --remat
+    recomputes the layers) and the others once a step, in the dtype the layers take them in (the fp8 block
+    linears: e4m3), and reduce-scatters each gradient once a microbatch; the devices that hold the same shard
+    but other tokens (data, context; for a weight not split over fsdp, all) sum it once a step, as
+    OLMo-core's HSDP does. Gradients in --reduce_dtype where the layers compute narrower (the fp8 block
+    linears': fp32 either way)."""
+    model = olmo3.abstract(model_cfg, compute)
+    fits = lambda w, n_in: compute.fp8 and olmo3.fp8_fits(w.shape[1:], n_in)  # stacked: a layer's shape
+    fp8 = {id(w) for w, n in zip(olmo3.block_linears(model), olmo3.BLOCK_LINEAR_INPUTS) if fits(w, n)}
+    copies = shard.Layout(mesh, cfg.reduce_dtype).copies(compute.dtype)
+    sums = HLO_TYPES[cfg.reduce_dtype if copies else compute.dtype]
+    remat, out = 2 if compute.remat != "none" else 1, collections.Counter()
+    for w, ax in shard.with_axes(model):
+        (wire, wire_bytes), (grad, grad_bytes) = (
+            (E4M3, HLO_TYPES["float32"]) if id(w) in fp8 else (HLO_TYPES[compute.dtype], sums)
+        )
+        whole, part = (shard.elements_held(ax, w.shape, mesh, gathered) for gathered in (True, False))
+        if whole > part:  # split over fsdp
+            out["all-gather", wire] += whole * wire_bytes * (n_micro * remat if ax[0] == "layers" else 1)
+            out["reduce-scatter", grad] += whole * grad_bytes * n_micro
+        if mesh.shape["data"] * mesh.shape["context"] * (1 if whole > part else mesh.shape["fsdp"]) > 1:
+            out["all-reduce", grad] += part * grad_bytes
+    return out
+
+
+def activation_traffic_floor(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, n_micro: int):
+    """Tensor parallelism (Megatron's): each layer all-reduces its two row-parallel outputs (attention's,
+    the MLP's; again where --remat recomputes the layer) and, backward, the input gradients of its two
+    column-parallel projections; the vocab-split embedding its lookups, the LM head its input gradient.
+    A context axis: a full layer all-gathers the row's keys and values (the reference attention: every
+    layer) and reduce-scatters their gradients; a sliding one takes the window before each of its two
+    chunks from its neighbours (collective permutes), and sends their gradients back. Per-token statistics
+    (QK-norm over split heads, the softmax over a split vocab) are left out: a few bytes a token."""
+    s, out = mesh.shape, collections.Counter()
+    rows = cfg.global_batch // n_micro // (s["data"] * s["fsdp"])  # a device's rows in a microbatch
+    tokens, (dtype, size) = rows * cfg.seq_len // s["context"], HLO_TYPES[compute.dtype]
+    forward = 2 if compute.remat != "none" else 1  # times a layer's forward runs
+    if s["tensor"] > 1:
+        per_layer = (2 * forward + 2) * tokens * model_cfg.d_model * size
+        out["all-reduce", dtype] += n_micro * (
+            model_cfg.n_layers * per_layer + 2 * tokens * model_cfg.d_model * size
+        )
+    if s["context"] > 1:
+        kv_heads = model_cfg.n_kv_heads // (s["tensor"] if model_cfg.n_kv_heads % s["tensor"] == 0 else 1)
+        kv = 2 * rows * model_cfg.head_dim * kv_heads * size  # keys and values, a position's
+        for t in model_cfg.layer_types:
+            if model_cfg.window(t) is None or compute.attention == "reference":
+                out["all-gather", dtype] += n_micro * forward * kv * cfg.seq_len
+                out["reduce-scatter", dtype] += n_micro * kv * cfg.seq_len
+            else:
+                out["collective-permute", dtype] += n_micro * (forward + 1) * kv * 2 * model_cfg.window(t)
+    return out
 
 
 MATMUL = re.compile(r"^\s*(?:ROOT )?%\S+ = .*? (dot|convolution|custom-call)\(([^)]*)\)(.*)$", re.MULTILINE)
@@ -1662,6 +1759,11 @@ def check_recipe_flags(cfg: TrainConfig) -> None:
         )
     if cfg.global_batch % cfg.dp_ranks:
         raise FlagError(f"--dp_ranks {cfg.dp_ranks}: expected a divisor of --global_batch {cfg.global_batch}")
+    if jnp.dtype(cfg.reduce_dtype).itemsize < jnp.dtype(cfg.compute.dtype).itemsize:
+        raise FlagError(
+            f"--reduce_dtype {cfg.reduce_dtype}: gradients summed narrower than --dtype {cfg.compute.dtype} "
+            f"makes them; expected {cfg.compute.dtype}"
+        )
 
 
 def check_data_flags(cfg: TrainConfig) -> None:

@@ -1,6 +1,7 @@
 """Where the 7B and 32B recipes fit: `train.py --dry_run --topology` for each slice below, compiled by the TPU's
 own compiler (libtpu, the [tpu] extra) on this machine, with the real Splash kernel. Prints a markdown table:
-slice, flags, memory per device (state, activations, total), HBM, and the spare or the overshoot.
+slice, flags, memory per device (state, activations, total), HBM, the spare or the overshoot, and what a step
+sends per device (the dry run's traffic table: its total and its floor; --json holds each row of it).
 
     python bench/dry_run.py                    # every row below (hours on 2 cores: one compile at a time)
     python bench/dry_run.py --only 7b-256      # one group
@@ -81,6 +82,19 @@ ROWS = [
     ("fp8", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1 --fp8="),
     ("fp8", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1"),
     ("fp8", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1 --fp8="),
+    # What a step sends (the traffic table's totals beside its floor): stages 1 and 3 of the 7B and the 32B on
+    # 256 v5p chips, on Ironwood and on one 8 x H200 host.
+    *[
+        ("traffic", f"{p} {t}")
+        for p in ("7b", "32b")
+        for t in ("v5p-512", "tpu7x-512", "h200x8 --microbatch 1")
+    ],
+    ("traffic", "7b-long-context v5p-512 --mesh=fsdp=32,context=8"),
+    ("traffic", "7b-long-context tpu7x-128 --mesh=fsdp=16,context=8 --microbatch 1"),
+    ("traffic", "7b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
+    ("traffic", "32b-long-context v5p-512 --mesh=fsdp=32,context=8 --microbatch 1"),
+    ("traffic", "32b-long-context tpu7x-512 --mesh=fsdp=64,context=8 --microbatch 1"),
+    ("traffic", "32b-long-context h200x8 --mesh=fsdp=8 --max_documents 64 --microbatch 1"),
 ]
 
 
@@ -105,25 +119,43 @@ def dry_run(row: str) -> dict:
     return result
 
 
+TRAFFIC = re.compile(r"^  ([a-z-]+) +(\w+) +(\d+) +([\d,.]+) +([\d,.]+|-)  (\d+) of \d+$", re.MULTILINE)
+
+
 def report(text: str) -> dict:
-    """What train.py --dry_run printed: its memory rows (GiB by name), its set-up line and its verdict."""
+    """What train.py --dry_run printed: its memory rows (GiB by name), its set-up line, its verdict, and its
+    traffic table: each row's arrays, MiB, floor MiB (None: no floor) and arrays overlapped, and the totals."""
     found = {m[0].strip(): float(m[1]) for m in re.findall(r"^  (.{26}) +([\d.]+) GiB$", text, re.MULTILINE)}
     if m := re.search(r"^dry run: .*$", text, re.MULTILINE):
         found["setup"] = m.group(0)
     if m := re.search(r"^(fits.*|does not fit.*)$", text, re.MULTILINE):
         found["verdict"] = m.group(1)
+    mib = lambda said: None if said == "-" else float(said.replace(",", ""))
+    if rows := TRAFFIC.findall(text):
+        found["traffic"] = {
+            f"{kind} {dtype}": {
+                "arrays": int(n),
+                "MiB": mib(size),
+                "floor MiB": mib(floor),
+                "overlapped": int(o),
+            }
+            for kind, dtype, n, size, floor, o in rows
+        }
+    if m := re.search(r"^  total +([\d,.]+) +([\d,.]+)$", text, re.MULTILINE):
+        found["traffic MiB"], found["floor MiB"] = mib(m[1]), mib(m[2])
     return found
 
 
 def table_row(r: dict) -> str:
     preset, topology, *flags = [w for w in r["row"].split() if "=" not in w or w.startswith("--")]
     flags += [w for w in r["row"].split() if "=" in w and not w.startswith("--")]
-    gib = lambda k: f"{r[k]:.1f}" if k in r else "-"
+    gib = lambda k, scale=1: f"{r[k] / scale:.1f}" if k in r else "-"
     state = r.get("parameters (fp32)", 0) + r.get("optimizer state (fp32)", 0)
     return (
         f"| {preset} | {topology} | {' '.join(flags) or 'preset defaults'} | {state:.1f} | "
         f"{gib('activations + temporaries')} | {gib('total')} | {gib('HBM')} | "
-        f"{r.get('verdict', 'error: ' + r.get('error', '?').splitlines()[-1][:120])} | {r['seconds']} |"
+        f"{r.get('verdict', 'error: ' + r.get('error', '?').splitlines()[-1][:120])} | "
+        f"{gib('traffic MiB', 1024)} | {gib('floor MiB', 1024)} | {r['seconds']} |"
     )
 
 
@@ -138,7 +170,7 @@ def main(argv: list[str]) -> int:
     rows = args.row or [row for group, row in ROWS if args.only in (None, group)]
     print(
         "| preset | slice | flags | params + Adam GiB | activations + temps GiB | total GiB | HBM GiB | verdict "
-        "| compile s |\n|---|---|---|---|---|---|---|---|---|",
+        "| traffic GiB | floor GiB | compile s |\n|---|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
     results = []

@@ -2,6 +2,7 @@
 have: TPU slices through libtpu's own compiler (the [tpu] extra, which the tests install), with the real Mosaic
 Splash kernel, from a CPU-only machine."""
 
+import collections
 import dataclasses
 import functools
 import math
@@ -245,7 +246,88 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     state = rows["parameters (fp32)"] + rows["optimizer state (fp32)"]
     want = ["| tiny", "v5litepod-4", "--mesh=fsdp=2,tensor=2 --dtype bfloat16", f"{state:.1f}"]
     want += [f"{rows[k]:.1f}" for k in ("activations + temporaries", "total", "HBM")]
-    assert row.split(" | ") == [*want, f"fits, with {spare:.1f} GiB to spare", "9 |"], row
+    # The traffic table's rows and totals, as its JSON holds them and its row shows them (GiB).
+    traffic = table[table.index("traffic per device per step") :].splitlines()[2:]
+    *lines, total = traffic[: next(i for i, line in enumerate(traffic) if line.startswith("  total")) + 1]
+    for line in lines:
+        kind, dtype, n, size, floor, overlapped = line.replace(",", "").split()[:6]
+        said = found["traffic"][f"{kind} {dtype}"]
+        assert said == {
+            "arrays": int(n),
+            "MiB": float(size),
+            "floor MiB": None if floor == "-" else float(floor),
+            "overlapped": int(overlapped),
+        }
+    gib = [f"{float(x) / 1024:.1f}" for x in total.replace(",", "").split()[1:]]
+    assert row.split(" | ") == [*want, f"fits, with {spare:.1f} GiB to spare", *gib, "9 |"], row
+
+
+# ---- What a step sends between devices (the dry run's traffic table)
+
+HLO_BYTES = {"f32": 4, "bf16": 2, "f8e4m3fn": 1, "s32": 4, "u32": 4, "pred": 1}
+
+
+def hlo_traffic(hlo: str, devices: int) -> dict[tuple[str, str], list[int]]:
+    """(collective, element type) -> [arrays, bytes], read line by line from a program without loops (each
+    instruction runs once): the arrays of each collective's result (a tuple: each of them), gathered or summed
+    whole: a reduce-scatter's result arrays are the shards of `devices` devices, an all-gather-start's and a
+    reduce-scatter-start's results hold (their operands, their results)."""
+    assert " while(" not in hlo
+    found = collections.defaultdict(lambda: [0, 0])
+    kinds = "all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
+    for line in hlo.splitlines():
+        if not (m := re.match(rf"\s*(?:ROOT )?%\S+ = (.*?) ({kinds})(-start)?\(", line)):
+            continue
+        arrays = re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", m[1])
+        if m[3] and m[2] in ("all-gather", "reduce-scatter"):
+            arrays = arrays[len(arrays) // 2 :]
+        for dtype, dims in arrays:
+            size = math.prod(int(d) for d in dims.split(",") if d) * HLO_BYTES[dtype]
+            found[m[2], dtype][0] += 1
+            found[m[2], dtype][1] += size * (devices if m[2] == "reduce-scatter" else 1)
+    return dict(found)
+
+
+def gradient_sums(hlo: str) -> list[tuple[str, str]]:
+    """(collective, result type) of the collectives that sum: reduce-scatters and all-reduces that add (not fp8's scales'
+    maximum), but not XLA's gathers of small arrays (an all-reduce of zero-padded shards: each operand a
+    dynamic-update-slice)."""
+    defined = {m[1]: line for line in hlo.splitlines() if (m := re.match(r"\s*(?:ROOT )?%(\S+) = ", line))}
+    roots = {m[1]: m[2] for m in re.finditer(r"^%([\w.\-]+) .*?^  ROOT (.*?)$", hlo, re.M | re.S)}
+    sums = []
+    for line in hlo.splitlines():
+        if m := re.search(r" (reduce-scatter|all-reduce)(?:-start)?\(([^)]*)\)", line):
+            combine = roots[re.search(r"to_apply=%([\w.\-]+)", line)[1]]
+            operands = re.findall(r"%([\w.\-]+)", m[2])
+            gathers = m[1] == "all-reduce" and all(" dynamic-update-slice(" in defined[n] for n in operands)
+            if " add(" in combine and not gathers:
+                sums.append((m[1], line[line.index(" = ") + 3 : m.start()]))
+    return sums
+
+
+@pytest.mark.parametrize("topology", ["tpu7x-8", "h200x8"])
+def test_every_gradient_is_summed_in_fp32_and_the_traffic_table_is_the_hlo_s(topology, capsys):
+    """The tiny bf16 step for 8 devices split by fsdp, --reduce_dtype float32 (the default): every collective
+    that sums holds fp32 only (before: each weight's gradient reduce-scattered in bf16, as the bf16 gradient
+    autodiff makes). And the dry run's traffic table is the compiled program's, read here line by line."""
+    if topology.startswith("h200"):
+        pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    target = shard.compile_target(topology)
+    mesh = shard.make_mesh("fsdp=8", list(target.devices))
+    cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=128, compute=olmo3.Compute("bfloat16", "auto"))
+    model_cfg, compute = train.model_config(cfg), train.compute_policy(cfg, mesh)
+    hlo = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)[0].as_text()
+    sums = gradient_sums(hlo)
+    assert "reduce-scatter" in dict(sums)  # FSDP's: the weights' gradients, and no other here
+    for kind, types in sums:
+        assert set(re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[", types)) == {"f32"}, (kind, types)
+
+    want = hlo_traffic(hlo, devices=8)
+    assert {k: v[:2] for k, v in shard.traffic(shard.collectives(hlo)).items()} == want
+    train.report_traffic(hlo, train.traffic_floor(cfg, mesh, model_cfg, compute, 1))
+    printed = capsys.readouterr().out
+    for (kind, dtype), (arrays, size) in want.items():
+        assert re.search(rf"^  {kind} +{dtype} +{arrays} +{size / 2**20:,.1f} ", printed, re.M), (kind, dtype)
 
 
 # ---- NVIDIA GPUs: the CUDA plugin's compile-only devices. The plugin is 2.5 GB, so CI does not install it;
@@ -323,9 +405,9 @@ def test_the_dry_run_s_matmul_count_tells_fp8_from_bf16_as_compiled():
     assert train.matmul_kinds(fp8_linear_hlo(jax.devices(), fp8=True)) == {"f32 (dot)": 3}
 
 
-def fp8_dry_run(run_dir, topology: str, mesh: str, seq_len: int = 512) -> str:
+def fp8_dry_run(run_dir, topology: str, mesh: str, seq_len: int = 512) -> tuple[str, dict]:
     """The tiny preset's dry run, stage 3's compute policy (bf16, --fp8 tensorwise), compiled for `topology`:
-    its matmul line."""
+    its matmul line, and its traffic table's (collective, element type) -> (arrays, MiB as printed)."""
     env = dict(os.environ, JAX_PLATFORMS="")  # as a user runs it: train.py keeps the backend on the CPU
     args = ["--preset", "tiny", "--dry_run", "--topology", topology, "--mesh", mesh, "--dtype", "bfloat16"]
     args += ["--fp8", "tensorwise", "--seq_len", str(seq_len), "--run_dir", str(run_dir)]
@@ -334,24 +416,37 @@ def fp8_dry_run(run_dir, topology: str, mesh: str, seq_len: int = 512) -> str:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "bfloat16, fp8 tensorwise (the block linears)" in out.stdout
-    return re.search(
+    matmuls = re.search(
         r"^matmuls in the compiled step \(the layer scan's body once\): (.*)$", out.stdout, re.M
-    )[1]
+    )
+    rows = re.findall(r"^  ([a-z-]+) +(\w+) +(\d+) +([\d,.]+) ", out.stdout, re.M)
+    return matmuls[1], {(kind, dtype): (int(n), size) for kind, dtype, n, size in rows}
+
+
+# The tiny model's block linears as an fp8 all-gather sends them to a device of a tensor axis of 2: 4 layers of
+# q, k, v, o (256 x 256) and gate, up, down (256 x 768), each halved by the tensor axis, one byte an element.
+FP8_GATHERED = (4 * 7, f"{4 * (4 * 256 * 256 + 3 * 256 * 768) / 2 / 2**20:,.1f}")
 
 
 @pytest.mark.slow
 def test_the_dry_run_for_ironwood_with_fp8_shows_every_block_matmul_on_fp8_operands(tmp_path):
     """7 linears x 3 matmuls (forward, the two gradients) in each of the scanned group's 4 layers on fp8
-    operands; the LM head's 3 in bf16. (Rows of 128 tokens: the matmuls are the same, and the TPU compiler
-    takes 30 s, not 38.)"""
-    said = fp8_dry_run(tmp_path, "tpu7x-8", "fsdp=4,tensor=2", seq_len=128)
-    assert said == "84 fp8 (convolution), 3 bf16 (convolution)"
+    operands; the LM head's 3 in bf16. Every block linear's weight is all-gathered as e4m3 bits, as torchao's
+    fp8 all-gather sends it (before: its fp32 master, 4x the bytes). (Rows of 128 tokens: the matmuls are the
+    same, and the TPU compiler takes 30 s, not 38.)"""
+    matmuls, traffic = fp8_dry_run(tmp_path, "tpu7x-8", "fsdp=4,tensor=2", seq_len=128)
+    assert matmuls == "84 fp8 (convolution), 3 bf16 (convolution)"
+    assert traffic["all-gather", "f8e4m3fn"] == FP8_GATHERED
+    assert ("all-gather", "f32") not in traffic, traffic
 
 
 # Rerun with the [gpu] extra: pip install -e ".[gpu,test]" && pytest tests/test_compile.py -k gpu
 def test_gpu_dry_run_with_fp8_shows_every_block_matmul_as_a_cublaslt_fp8_gemm(tmp_path):
     """For 8 H200s (fsdp and tensor axes): every block matmul a cuBLASLt fp8 GEMM, the LM head's 3 bf16 cuBLASLt
-    GEMMs (a dry run starts no backend before it names the target, so shard.gpu_target's Triton flag holds)."""
+    GEMMs (a dry run starts no backend before it names the target, so shard.gpu_target's Triton flag holds);
+    every block linear's weight all-gathered as e4m3 bits, and nothing gathered in fp32."""
     pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
-    said = fp8_dry_run(tmp_path, "h200x8", "fsdp=4,tensor=2")  # cuDNN attention: the GPU's choice
-    assert said == "84 fp8 (__cublas$lt$matmul$f8), 3 bf16 (__cublas$lt$matmul)"
+    matmuls, traffic = fp8_dry_run(tmp_path, "h200x8", "fsdp=4,tensor=2")  # cuDNN attention: the GPU's choice
+    assert matmuls == "84 fp8 (__cublas$lt$matmul$f8), 3 bf16 (__cublas$lt$matmul)"
+    assert traffic["all-gather", "f8e4m3fn"] == FP8_GATHERED
+    assert ("all-gather", "f32") not in traffic, traffic

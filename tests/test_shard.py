@@ -19,6 +19,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from commands import with_cpu_devices
@@ -337,6 +338,41 @@ def test_parameters_are_born_sharded_and_equal_the_single_device_init(tiny_runs)
             assert leaf.sharding.is_equivalent_to(s, leaf.ndim), (name, leaf.sharding, s)
             # The RNG is partitionable: the shards hold what the single-device init draws, bit for bit.
             assert np.array_equal(np.asarray(leaf), x), name
+
+
+@pytest.mark.slow
+def test_bf16_gradients_are_each_device_s_bf16_gradient_summed_in_fp32():
+    """The bf16 step's gradients on fsdp=8 (--reduce_dtype float32, OLMo-core's): each device's bf16 gradient
+    of its own rows, cast up and summed in fp32. The reference takes each device's rows alone on one device,
+    differentiates the loss with respect to the bf16 weights, and sums those in NumPy: equal within fp32
+    rounding of that sum. A bf16 sum of the same gradients is further off than that, so the test tells the two
+    apart. Both compiled without XLA's excess precision: XLA:CPU keeps fused bf16 intermediates in fp32, and
+    fuses the sharded and the single-device programs differently; so each bf16 op rounds in both."""
+    cfg = dataclasses.replace(TINY, compute=olmo3.Compute("bfloat16", "local"), reduce_dtype="float32")
+    model = olmo3.Olmo3(train.model_config(cfg), key=jax.random.key(0), compute=cfg.compute)
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (8, cfg.seq_len), 0, 8192))
+    keep, rows = np.ones(8, bool), np.asarray(train.row_weights(jnp.ones(8, bool), jnp.full(8, 127), 128, 1))
+    mesh = shard.make_mesh("fsdp=8")
+    _, model_sh, _, _ = setup(cfg, "fsdp=8")
+    sharded = [jax.device_put(a, shard.batch_sharding(mesh, a.ndim)) for a in (tokens, keep, rows)]
+    got = exact_grads(cfg, eqx.filter_shard(model, model_sh), *sharded, layout=shard.Layout(mesh, "float32"))
+    used = model.as_used()  # the bf16 weights, whole on one device
+    each = [exact_grads(cfg, used, tokens[d : d + 1], keep[d : d + 1], rows[d : d + 1]) for d in range(8)]
+    for name, g in got.items():
+        parts = np.stack([e[name].astype(np.float32) for e in each])  # bf16, exactly
+        tol = 8 * FP32 * np.abs(parts).sum(0)  # 8 terms summed in fp32, in any order
+        assert np.all(np.abs(g - parts.sum(0)) <= tol), (name, np.max(np.abs(g - parts.sum(0)) - tol))
+        in_bf16 = functools.reduce(lambda a, b: (a + b).astype(ml_dtypes.bfloat16).astype(np.float32), parts)
+        assert np.any(np.abs(in_bf16 - parts.sum(0)) > tol), name
+
+
+def exact_grads(cfg, model, tokens, keep, rows, layout=None) -> dict[str, np.ndarray]:
+    """The loss's gradients with respect to `model`'s arrays, as train_step makes them, compiled without
+    excess precision: each bf16 op rounds."""
+    dynamic, static = eqx.partition(model, eqx.is_array)
+    loss = lambda m, *batch: train.loss_fn(eqx.combine(m, static), *batch, cfg, layout)[0]
+    args = (dynamic, *map(jnp.asarray, (tokens, keep, rows)))
+    return arrays(jax.jit(jax.grad(loss)).lower(*args).compile({"xla_allow_excess_precision": False})(*args))
 
 
 # ---- the multi-host start

@@ -174,6 +174,34 @@ def test_a_checkpoint_from_before_the_schedule_field_resumes_as_cosine():
             check(saved, linear)
 
 
+def test_a_resume_across_a_reduce_dtype_change_is_refused_unless_allowed():
+    """--reduce_dtype changes what a bf16 step sums its gradients in: a resume that changes it is another
+    recipe (--allow_config_change takes it). A checkpoint from before the flag summed in its compute dtype: a
+    bf16 run's resumes as bfloat16 and is refused the new default; an fp32 run's resumes as it was."""
+    import ckpt
+
+    bf16 = dataclasses.replace(train.PRESETS["tiny"], compute=olmo3.Compute("bfloat16"))
+    model = ckpt.config_to_hf(train.model_config(bf16))
+    meta = lambda cfg: {"config": dataclasses.asdict(cfg), "model": model, "data": None}
+    before = lambda cfg: {
+        **meta(cfg),
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "reduce_dtype"},
+    }
+    check = lambda saved, now, allow=False: ckpt.check_resume(
+        train.with_recipe_defaults(saved), now, train.RECIPE_FIELDS, allow, "runs/x"
+    )
+    narrow = dataclasses.replace(bf16, reduce_dtype="bfloat16")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(train.data, "check_fingerprint", lambda a, b: None)
+        with pytest.raises(ckpt.ResumeRefused, match="reduce_dtype: 'float32' -> 'bfloat16'"):
+            check(meta(bf16), meta(narrow))
+        check(meta(bf16), meta(narrow), allow=True)
+        with pytest.raises(ckpt.ResumeRefused, match="reduce_dtype: 'bfloat16' -> 'float32'"):
+            check(before(bf16), meta(bf16))
+        check(before(bf16), meta(narrow))
+        check(before(train.PRESETS["tiny"]), meta(train.PRESETS["tiny"]))
+
+
 @pytest.mark.parametrize("path,chunk", [("fused", 0), ("fused", 8), ("reference", 0)])
 def test_lm_head_loss_and_gradients_match_olmo_core(path, chunk):
     """Loss, z-loss and their gradients with respect to the features and the LM head, both paths, against
@@ -685,6 +713,11 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
     ("--loss_chunk 7", "--loss_chunk 7: expected a divisor of --seq_len 256 (or 0)"),
     ("--loss flash", "--loss 'flash': expected one of fused, reference"),
     ("--schedule step", "--schedule 'step': expected one of cosine, linear"),
+    ("--reduce_dtype float16", "--reduce_dtype 'float16': expected one of float32, bfloat16"),
+    (
+        "--reduce_dtype bfloat16",
+        "--reduce_dtype bfloat16: gradients summed narrower than --dtype float32 makes them; expected float32",
+    ),
     ("--model 70b", "--model '70b': expected one of tiny, 190m, 1b, 7b, 32b"),
     ("--remat some", "--remat 'some': expected one of none, full, save_matmuls, save_attention"),
     ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,context=1,tensor=1"),
