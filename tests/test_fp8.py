@@ -129,6 +129,39 @@ def test_fp8_linear_is_torchao_s_bit_for_bit_when_every_scale_is_a_power_of_two(
         assert np.array_equal(a, b), f"{name}: {(a != b).sum()} of {a.size} differ"
 
 
+@pytest.mark.parametrize("devices", [(1, 2, 2), (2, 1, 1)])
+def test_from_gathered_fp8_bits_with_each_device_s_weight_gradient_summed_in_fp32_it_is_torchao_s(devices):
+    """A mesh's path: the weight handed over as FSDP's fp8 all-gather hands it (fp8_weight: e4m3 bits and the
+    whole weight's scale), each device's weight gradient of its own rows and positions (`devices`: data, fsdp,
+    context) rounded to bf16 and summed in fp32, as FSDP with reduce_dtype fp32 sums it. The reference: torchao
+    on the whole batch for the output and the input gradient; for the weight's, torchao on each device's
+    tokens alone (its own activation scale: on these inputs, whose fp8 values are exact at any power-of-two
+    scale, the same fp8 values), summed in float64. Every sum here is exact, so all three are bit for bit; a
+    device's gradient counted twice, left out or rounded as the whole batch's is not."""
+    x, w, g = inputs((2, 24, 64), (64, 96), seed=3)
+    theirs = list(torchao_linear(x, w, g, all_gather=True)[:3])
+    data, fsdp, context = devices
+    rows, positions = x.shape[0] // (data * fsdp), x.shape[1] // context
+    each = [
+        (
+            x[r * rows : (r + 1) * rows, c * positions : (c + 1) * positions],
+            g[r * rows : (r + 1) * rows, c * positions : (c + 1) * positions],
+        )
+        for r in range(data * fsdp)
+        for c in range(context)
+    ]
+    theirs[2] = sum(torchao_linear(xd, w, gd, all_gather=True)[2].astype(np.float64) for xd, gd in each)
+
+    @jax.jit
+    def run(x, w, g):
+        y, vjp = jax.vjp(lambda x, w: olmo3.fp8_linear(x, w, 1, olmo3.fp8_weight(w), devices), x, w)
+        return y, *vjp(g)
+
+    for name, a, b in zip(("output", "input gradient", "weight gradient"), run(x, w, g), theirs):
+        a = np.asarray(a, np.float32)
+        assert np.array_equal(a, b), f"{name}: {(a != b).sum()} of {a.size} differ"
+
+
 def test_a_linear_over_two_axes_is_torchao_s_over_their_product():
     """o_proj contracts heads and head_dim: the same numbers as torchao's linear over heads * head_dim."""
     x, w, g = inputs((2, 16, 64), (64, 48), seed=1)
