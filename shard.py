@@ -337,6 +337,9 @@ def start(
     first backend starts. ValueError names the flag at fault; RuntimeError: the topology's extra is missing."""
     if topology:
         jax.config.update("jax_platforms", "cpu")  # this machine's backend; the target is only described
+        # A compile-only executable cannot be loaded back without the target's client: a persistent compilation
+        # cache (JAX_COMPILATION_CACHE_DIR) would warn on every later dry run of the same step, and save nothing.
+        jax.config.update("jax_enable_compilation_cache", False)
         target = compile_target(topology, num_slices)
         return make_mesh(spec, list(target.devices)), target
     quiet_libtpu()
