@@ -352,10 +352,11 @@ def fp8_quantize(t: Float[Array, "..."], scale: Float[Array, ""], dtype) -> Shap
     return jnp.clip(t.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype)
 
 
-def _fp8_dot(a, b, contract: tuple[int, int], scale, precision, dtype):
+def _fp8_dot(
+    a, b, contract: tuple[tuple[int, ...], tuple[int, ...]], scale, precision, dtype, batch=((), ())
+):
     # An fp8 x fp8 matmul summed in fp32, then unscaled once: what cuBLAS's scaled fp8 GEMM does.
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    y = jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(a, b, (contract, batch), precision=precision, preferred_element_type=jnp.float32)
     return (y / scale).astype(dtype)
 
 
@@ -387,38 +388,36 @@ def _fp8_fwd(x, w, n_in, gathered, devices):
     if gathered is None and w.dtype != jnp.float32:
         raise ValueError(f"fp8_linear takes the fp32 master weight, got {w.dtype}")
     qw, sw = fp8_weight(w) if gathered is None else gathered
-    k = math.prod(w.shape[:n_in])
-    x2, qw2 = x.reshape(-1, k), qw.reshape(k, -1)
-    sx = fp8_scale(x2, E4M3, power_of_2=True)
-    qx = fp8_quantize(x2, sx, E4M3)
-    y = _fp8_dot(qx, qw2, (1, 0), sx * sw, jax.lax.Precision.DEFAULT, x.dtype)
+    sx = fp8_scale(x, E4M3, power_of_2=True)
+    qx = fp8_quantize(x, sx, E4M3)
+    # x's leading axes kept apart, not flattened into one as linear does: rows split over fsdp and positions
+    # over context do not make one split axis, so XLA would gather x to flatten it.
+    ins = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = _fp8_dot(qx, qw, ins, sx * sw, jax.lax.Precision.DEFAULT, x.dtype)
     # Keeps x and w in fp8 for the backward pass (torchao keeps x in bf16 and casts it again, to the same
     # bits): a quarter of the fp32 weight's bytes, half of a bf16 activation's.
-    saved = (qx.reshape(x.shape), sx, qw, sw)
-    return y.reshape(*x.shape[: x.ndim - n_in], *w.shape[n_in:]), saved
+    return y, (qx, sx, qw, sw)
 
 
 def _fp8_bwd(n_in, devices, saved, g):
     qx, sx, qw, sw = saved
-    k = math.prod(qw.shape[:n_in])
-    qx2, qw2 = qx.reshape(-1, k), qw.reshape(k, -1)
-    g2 = g.reshape(qx2.shape[0], qw2.shape[1])
-    sg = fp8_scale(g2, E5M2, power_of_2=True)
-    qg = fp8_quantize(g2, sg, E5M2)  # one cast, used by both matmuls
+    lead = tuple(range(qx.ndim - n_in))
+    sg = fp8_scale(g, E5M2, power_of_2=True)
+    qg = fp8_quantize(g, sg, E5M2)  # one cast, used by both matmuls
     highest = jax.lax.Precision.HIGHEST
-    dx = _fp8_dot(qg, qw2, (1, 1), sg * sw, highest, g.dtype)
+    outs = (tuple(range(len(lead), g.ndim)), tuple(range(n_in, qw.ndim)))
+    dx = _fp8_dot(qg, qw, outs, sg * sw, highest, g.dtype)
     # Rounded to g's precision (bf16) but kept in fp32: a cast down and back up would be one XLA may drop (it
     # allows excess precision), as it does on GPUs, where the unscaling joins the GEMM.
     bits = jnp.finfo(g.dtype)
     rounded = lambda dw: jax.lax.reduce_precision(dw, exponent_bits=bits.nexp, mantissa_bits=bits.nmant)
     if devices == (1, 1, 1):
-        dw = rounded(_fp8_dot(qx2, qg, (0, 0), sx * sg, highest, jnp.float32))
+        dw = rounded(_fp8_dot(qx, qg, (lead, lead), sx * sg, highest, jnp.float32))
     else:  # each device's own ("data fsdp context in out"), rounded, then summed in fp32 as Layout.weights sums
-        mine = lambda t: to_devices(t.reshape(*qx.shape[:2], -1), devices).reshape(*devices, -1, t.shape[-1])
-        dims = (((3,), (3,)), ((0, 1, 2), (0, 1, 2)))
-        each = jax.lax.dot_general(mine(qx2), mine(qg), dims, highest, preferred_element_type=jnp.float32)
-        dw = rounded(each / (sx * sg)).sum(1).sum((0, 1))  # within each fsdp group, then across them
-    return dx.reshape(qx.shape), dw.reshape(qw.shape), None
+        mine = lambda t: to_devices(t, devices)  # "data fsdp context batch seq ..."
+        each = _fp8_dot(mine(qx), mine(qg), ((3, 4), (3, 4)), sx * sg, highest, jnp.float32, ((0, 1, 2),) * 2)
+        dw = rounded(each).sum(1).sum((0, 1))  # within each fsdp group, then across them
+    return dx, dw, None
 
 
 fp8_linear.defvjp(_fp8_fwd, _fp8_bwd)
