@@ -264,7 +264,7 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
 
 # ---- What a step sends between devices (the dry run's traffic table)
 
-HLO_BYTES = {"f32": 4, "bf16": 2, "f8e4m3fn": 1, "s32": 4, "u32": 4, "pred": 1}
+HLO_BYTES = {"f32": 4, "bf16": 2, "f8e4m3fn": 1, "f8e5m2": 1, "s32": 4, "u32": 4, "pred": 1}
 
 
 def hlo_traffic(hlo: str, devices: int) -> dict[tuple[str, str], list[int]]:
@@ -438,6 +438,23 @@ def test_the_dry_run_for_ironwood_with_fp8_shows_every_block_matmul_on_fp8_opera
     assert matmuls == "84 fp8 (convolution), 3 bf16 (convolution)"
     assert traffic["all-gather", "f8e4m3fn"] == FP8_GATHERED
     assert ("all-gather", "f32") not in traffic, traffic
+
+
+def test_fp8_over_a_context_axis_gathers_the_fp8_weights_and_no_activation():
+    """Stage 3's layout (rows over fsdp, each row's positions over context) with --fp8 tensorwise, for
+    Ironwood: the step gathers the block linears' weights as e4m3, twice (--remat full recomputes the layer),
+    and nothing else in fp8 or fp32: no fp8 activation, no e5m2 gradient, no fp32 master (before, flattening
+    rows and positions into one axis made XLA gather every fp8 activation: 18.5 MiB of e4m3, 2.0 of e5m2 and
+    15.3 of fp32 here)."""
+    target = shard.compile_target("tpu7x-8")
+    mesh = shard.make_mesh("fsdp=2,context=4", list(target.devices))
+    compute = olmo3.Compute("bfloat16", "local", remat="full", fp8="tensorwise")
+    cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=1024, global_batch=4, compute=compute)
+    hlo = train.compile_step(cfg, mesh, train.model_config(cfg), compute, n_micro=1)[0].as_text()
+    gathered = {dtype: v for (kind, dtype), v in hlo_traffic(hlo, devices=8).items() if kind == "all-gather"}
+    weights = 4 * (4 * 256 * 256 + 3 * 256 * 768)  # 4 layers' q, k, v, o and gate, up, down, a byte each
+    assert gathered["f8e4m3fn"] == [2 * 4 * 7, 2 * weights], gathered
+    assert gathered.keys() <= {"f8e4m3fn", "bf16"}, gathered
 
 
 # Rerun with the [gpu] extra: pip install -e ".[gpu,test]" && pytest tests/test_compile.py -k gpu
