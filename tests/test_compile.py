@@ -444,8 +444,7 @@ def test_fp8_over_a_context_axis_gathers_the_fp8_weights_and_no_activation():
     """Stage 3's layout (rows over fsdp, each row's positions over context) with --fp8 tensorwise, for
     Ironwood: the step gathers the block linears' weights as e4m3, twice (--remat full recomputes the layer),
     and nothing else in fp8 or fp32: no fp8 activation, no e5m2 gradient, no fp32 master (before, flattening
-    rows and positions into one axis made XLA gather every fp8 activation: 18.5 MiB of e4m3, 2.0 of e5m2 and
-    15.3 of fp32 here)."""
+    rows and positions into one axis made XLA gather every fp8 activation, and e5m2 and fp32 ones too)."""
     target = shard.compile_target("tpu7x-8")
     mesh = shard.make_mesh("fsdp=2,context=4", list(target.devices))
     compute = olmo3.Compute("bfloat16", "local", remat="full", fp8="tensorwise")
