@@ -1338,6 +1338,14 @@ def check_fingerprint(saved: dict, current: dict):
 # Fixed-length instances (stages 1 and 2): each file cut into seq_len tokens, read a row at a time.
 
 
+def token_paths(paths) -> list[str]:
+    """The token files a loader reads, as strings; none is an error (an empty mix or path list)."""
+    paths = [os.fspath(p) for p in paths]
+    if not paths:
+        raise DataError("no token files given (an empty mix or path list)")
+    return paths
+
+
 class TokenLoader(GlobalOrder):
     """Fixed-length instances of token files in OLMo-core's global order (stages 1 and 2)."""
 
@@ -1353,9 +1361,7 @@ class TokenLoader(GlobalOrder):
         work_dir: str | None = None,
         share: tuple[int, int] = (0, 1),
     ):
-        self.paths = [os.fspath(p) for p in paths]
-        if not self.paths:
-            raise DataError("no token files given (an empty mix or path list)")
+        self.paths = token_paths(paths)
         self.seq_len, self.dtype, self.vocab_size = seq_len, np.dtype(dtype), vocab_size
         tokens, heads = token_files(self.paths, self.dtype)
         # Instances of file k are numbers offsets[k] .. offsets[k+1]-1.
@@ -1650,9 +1656,7 @@ class PackedLoader(GlobalOrder):
         work_dir: str | None = None,
         share: tuple[int, int] = (0, 1),
     ):
-        paths = [os.fspath(p) for p in paths]
-        if not paths:
-            raise DataError("no token files given (an empty mix or path list)")
+        paths = token_paths(paths)
         self.paths = paths if file_seed is None else permuted_files(paths, file_seed)
         self.seq_len, self.vocab_size, self.dtype = seq_len, vocab_size, np.dtype(dtype)
         self.packed = PackedInstances(self.paths, seq_len, eos_id, pad_id, dtype, group_size, work_dir, share)
