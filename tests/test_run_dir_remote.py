@@ -274,7 +274,8 @@ def test_a_checkpoint_without_its_commit_marker_is_never_read_and_a_writer_remov
 def in_bucket(bucket, tiny_data) -> list[str]:
     """The tiny corpus copied into the bucket, and the flags that train on it there (instead of --data tiny):
     the same files in the same order, so the same batches."""
-    for f in [*(tiny_data / "train").glob("*.npy"), *(tiny_data / "val").glob("*.npy")]:
+    prepared = data.prepare_tiny(str(tiny_data))
+    for f in map(Path, prepared["train"] + prepared["val"]):
         bucket.blob(f"corpus/{f.parent.name}/{f.name}").upload_from_filename(f)
     corpus = f"gs://{bucket.name}/corpus"
     return ["--data", f"{corpus}/train/*.npy", "--eval_data", f"tiny-val={corpus}/val/*.npy"]
