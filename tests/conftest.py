@@ -61,6 +61,18 @@ def tiny_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def uninterrupted(tiny_data, tmp_path_factory):
+    """The tiny run of tests/commands.py's FLAGS, uninterrupted, on a local disk, made once per process: what
+    the runs killed, stopped or weathered on a disk and in a bucket must equal bit for bit. Read, never written."""
+    from commands import run
+
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    out = run(run_dir, tiny_data)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="session")
 def gcs_behind_proxy():
     """A Cloud Storage server on 127.0.0.1 for the session, behind a servers.FaultProxy (in fair weather it
     only relays), and the clients pointed at the proxy (servers.gcs_emulator), one per process: every storage

@@ -44,13 +44,10 @@ def final_arrays(run_dir, step=STEPS) -> list:
         ckpts.close()
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_data, tmp_path_factory):
-    """The uninterrupted run, on a local disk."""
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    out = run(run_dir, tiny_data)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return run_dir
+@pytest.fixture
+def reference(uninterrupted):
+    """The uninterrupted run, on a local disk (conftest.py)."""
+    return uninterrupted
 
 
 def assert_same_as_reference(run_dir, reference):
