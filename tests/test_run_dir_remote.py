@@ -44,12 +44,6 @@ def final_arrays(run_dir, step=STEPS) -> list:
         ckpts.close()
 
 
-@pytest.fixture
-def reference(uninterrupted):
-    """The uninterrupted run, on a local disk (conftest.py)."""
-    return uninterrupted
-
-
 def assert_same_as_reference(run_dir, reference):
     """One train row per step (and the last step's eval row), each bit for bit the reference's, and the
     final model and optimizer state too."""
@@ -81,7 +75,7 @@ def bucket(gcs_emulator):
 
 @pytest.mark.slow
 def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_checkpoint(
-    tiny_data, reference, bucket, capsys, tmp_path
+    tiny_data, uninterrupted, bucket, capsys, tmp_path
 ):
     url = f"gs://{bucket.name}/runs/tiny"
     out = run(url, tiny_data, fault="during_save:6")
@@ -99,7 +93,8 @@ def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_c
     assert (
         f"resuming from {url}/checkpoints/3 (step 3)" in out.stdout
     )  # the lock of the killed process: taken
-    assert_same_as_reference(url, reference)  # ... and rows 4-6 stored before the kill dropped, then retaken
+    # ... and rows 4-6 stored before the kill dropped, then retaken
+    assert_same_as_reference(url, uninterrupted)
     assert {"config.json", "tokenizer.json", "loss.png"} <= names_under(bucket, "runs/tiny/")
     assert "lock" not in names_under(bucket, "runs/tiny/")
     trace = {
@@ -118,14 +113,16 @@ def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_c
     quarantined = names_under(bucket, "runs/tiny/quarantined/")
     assert any(n.endswith("/commit_success.txt") for n in quarantined)
     assert "checkpoint 12 is corrupt" in data.read_text(f"{url}/log.txt")
-    assert_same_as_reference(url, reference)
+    assert_same_as_reference(url, uninterrupted)
     steps = {n.split("/")[0] for n in names_under(bucket, "runs/tiny/checkpoints/") if n.count("/") == 1}
     assert steps == {"9", "12"}  # --keep_last 2: the older steps removed from the bucket
-    readers_take_gs(url, reference, tiny_data, bucket, tmp_path)
+    readers_take_gs(url, uninterrupted, tiny_data, bucket, tmp_path)
 
 
 @pytest.mark.slow
-def test_sigterm_on_gcs_saves_at_the_next_step_exits_0_and_the_rerun_is_bitwise(tiny_data, reference, bucket):
+def test_sigterm_on_gcs_saves_at_the_next_step_exits_0_and_the_rerun_is_bitwise(
+    tiny_data, uninterrupted, bucket
+):
     """A preemption's SIGTERM to a run on gs://: it saves at the next step boundary and exits 0, and the rerun
     resumes there and ends bit for bit the uninterrupted run. The signal is sent once the run holds its lock,
     which it takes after its signal handler is in place."""
@@ -142,7 +139,7 @@ def test_sigterm_on_gcs_saves_at_the_next_step_exits_0_and_the_rerun_is_bitwise(
     assert 1 <= saved < STEPS and [r["step"] for r in rows(url) if "loss" in r] == list(range(1, saved + 1))
     out = run(url, tiny_data)
     assert out.returncode == 0 and f"(step {saved})" in out.stdout, out.stderr[-3000:]
-    assert_same_as_reference(url, reference)
+    assert_same_as_reference(url, uninterrupted)
 
 
 def readers_take_gs(url: str, reference, tiny_data, bucket, tmp_path):
@@ -187,7 +184,7 @@ def names_under(bucket, prefix: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_folder_that_renames_no_directory_commits_and_resumes_bitwise(tiny_data, reference, tmp_path):
+def test_a_folder_that_renames_no_directory_commits_and_resumes_bitwise(tiny_data, uninterrupted, tmp_path):
     """gcsfuse on a flat bucket refuses to rename a directory (EXDEV): Orbax's default commit, a rename of the
     step's temporary folder, would fail at the first save. Committed by marker, it never renames one."""
     run_dir = tmp_path / "mounted"
@@ -205,7 +202,7 @@ def test_a_folder_that_renames_no_directory_commits_and_resumes_bitwise(tiny_dat
     out = run(run_dir, tiny_data, script="gcsfuse.py", env={"NO_DIR_RENAMES": str(run_dir)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "(step 3)" in out.stdout
-    assert_same_as_reference(run_dir, reference)
+    assert_same_as_reference(run_dir, uninterrupted)
     profiles = list((run_dir / "profile" / "plugins" / "profile").glob("*/*"))
     assert_trace_opens({p.name: p.read_bytes() for p in profiles})
 
@@ -306,7 +303,7 @@ def marker(step: int):
 
 @pytest.mark.slow
 def test_a_run_rides_out_a_503_a_reset_and_a_lost_answer_on_every_kind_of_request_and_a_short_outage_bitwise(
-    tiny_data, reference, bucket, gcs_proxy
+    tiny_data, uninterrupted, bucket, gcs_proxy
 ):
     """Each kind of request a run makes of a bucket (the lock, the metrics' appends, the run files, the
     checkpoints' writes, listings, metadata and deletes, the data's reads) is answered once 503, once by a
@@ -331,12 +328,12 @@ def test_a_run_rides_out_a_503_a_reset_and_a_lost_answer_on_every_kind_of_reques
     assert out.returncode == 0, out.stderr[-3000:]
     assert [rule[1] for rule in gcs_proxy.rules[: 3 * len(kinds)]] == [0] * 3 * len(kinds)  # each one met
     assert sum(status == 503 for *_, status in gcs_proxy.log) > len(kinds)  # the outage's too
-    assert_same_as_reference(url, reference)
+    assert_same_as_reference(url, uninterrupted)
 
 
 @pytest.mark.slow
 def test_an_outage_longer_than_the_patience_stops_in_one_line_and_the_rerun_loses_nothing(
-    tiny_data, reference, bucket, gcs_proxy, tmp_path
+    tiny_data, uninterrupted, bucket, gcs_proxy, tmp_path
 ):
     """The bucket out past --storage_patience (3 s here) while step 8 runs: the run stops (exit 1) in one line
     naming a gs:// URL, the last answer and how long it tried, no traceback; nothing committed is touched,
@@ -362,7 +359,7 @@ def test_an_outage_longer_than_the_patience_stops_in_one_line_and_the_rerun_lose
     assert not names_under(bucket, "outage/quarantined/")
     out = run(url, tiny_data)
     assert out.returncode == 0 and "(step 6)" in out.stdout, out.stderr[-3000:]
-    assert_same_as_reference(url, reference)
+    assert_same_as_reference(url, uninterrupted)
 
 
 def two_checkpoints(url: str) -> list:
@@ -400,13 +397,13 @@ def test_503s_throughout_a_restore_set_nothing_aside_and_roll_nothing_back(bucke
 
 
 def test_a_read_only_account_reads_a_finished_run_and_scores_it_without_a_write(
-    reference, bucket, gcs_proxy, tiny_data
+    uninterrupted, bucket, gcs_proxy, tiny_data
 ):
     """An account that may only read (403 on every write): a finished run in its bucket is read without a
     write, as on a read-only mount, and --eval_only prints its table, with one line saying the row could not be
     recorded. Only the probes that learn so are refused; nothing is written."""
     url = f"gs://{bucket.name}/finished"
-    data.copy_tree(str(reference), url)
+    data.copy_tree(str(uninterrupted), url)
     before = data.read_text(f"{url}/metrics.jsonl")
     gcs_proxy.clear()
     gcs_proxy.read_only()
