@@ -403,12 +403,12 @@ def patiently(what: str, url: str, request: Callable):
 
 
 def tensorstore_retries() -> dict:
-    """TensorStore's own retries of a request (it doubles its pause from 1 s to 32 s), as long in all as the
+    """TensorStore's own retries of a request (it doubles its pause), with our pauses, as long in all as the
     patience: the same policy for the bytes it moves, Orbax's arrays included."""
-    tries, waited, pause = 0, 0.0, 1.0
+    tries, waited, pause = 0, 0.0, FIRST_PAUSE_S
     while waited < PATIENCE_S:
-        tries, waited, pause = tries + 1, waited + pause, min(2 * pause, 32.0)
-    return {"max_retries": tries, "initial_delay": "1s", "max_delay": "32s"}
+        tries, waited, pause = tries + 1, waited + pause, min(2 * pause, LAST_PAUSE_S)
+    return {"max_retries": tries, "initial_delay": f"{FIRST_PAUSE_S}s", "max_delay": f"{LAST_PAUSE_S}s"}
 
 
 # --- The clients, one of each, made at first use ---
