@@ -6,7 +6,7 @@ the bf16 run's weights (bench/compare.py: held-out loss, top-1 agreement, KL).
 
     python train.py --preset tiny --run_dir runs/tiny    # a stage 1 to go on from (optional: else a fresh init)
     python bench/fp8.py --init_from runs/tiny            # three runs of 60 steps of 4 x 1,024 tokens
-    python bench/fp8.py --steps 20 --seq_len 512 --lr 2e-3 --held_out 512 --json out.json   # tests/test_fp8.py
+    python bench/fp8.py --steps 20 --seq_len 512 --global_batch 2 --lr 2e-3 --held_out 512   # tests/test_fp8.py
 
 Stage 3 scaled down: the tiny corpus's plays cut into documents of 20 to 400 tokens in 4 files, packed best-fit
 into rows within groups of 2 files shuffled with seed 123 (`--pack_files 2 --file_seed 123`), YaRN on the full
