@@ -91,5 +91,8 @@ def olmo_core_rank(rank: int, port: int, step_dir: Path) -> None:
         held, skipped = olmo_core_train(step_dir, olmo_core_config())
         if rank == 0:
             torch.save({"held": held, "skipped": skipped}, step_dir.parent / "reference.pt")
+        # The ranks tear down together: once, in a suite, rank 1 left while rank 0 still saved and died in
+        # its exit ("terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
