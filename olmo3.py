@@ -890,8 +890,8 @@ def _splash_call(
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     q_seq, n_kv, group, head_dim = q.shape
-    # Tiles of 512 keep the MXU busy; the kernel takes multiples of 128 (a lane's width), or a shorter whole.
-    tile = lambda n: next((b for b in (512, 256, 128) if n % b == 0), n if n < 128 else None)
+    # Tiles of 512 keep the MXU busy; the kernel takes multiples of 128 (a lane's width), queries and keys.
+    tile = lambda n: next((b for b in (512, 256, 128) if n % b == 0), None)
     block_q, block_kv = tile(q_seq), tile(k.shape[0])
     if block_q is None or block_kv is None:
         raise ValueError(

@@ -1197,9 +1197,11 @@ def compute_policy(cfg: TrainConfig, mesh) -> olmo3.Compute:
 
 def check_kernel(cfg: TrainConfig, mesh, kernel: str) -> None:
     """The attention kernel must run what the recipe asks: a context axis it can split (check_context); with
-    packed rows on cuDNN in a dry run, a number of documents a row to compile for."""
+    packed rows on cuDNN in a dry run, a number of documents a row to compile for; Splash, its blocks."""
     if mesh.shape["context"] > 1:
         check_context(cfg, mesh.shape["context"], kernel)
+    if kernel == "splash":
+        check_splash(cfg, mesh.shape["context"])
     if cfg.pack_files and kernel == "cudnn" and cfg.dry_run and not cfg.compute.max_documents:
         raise FlagError(
             "--max_documents 0: cuDNN's packed attention compiles for a most documents a row, which a run "
@@ -1224,6 +1226,21 @@ def check_context(cfg: TrainConfig, n: int, kernel: str) -> None:
         raise FlagError(
             f"{where}: each device's chunks of {chunk} positions are not whole sliding windows of {window}; "
             f"expected context=N with --seq_len / 2N a multiple of {window}, or --attention reference"
+        )
+
+
+def check_splash(cfg: TrainConfig, n: int) -> None:
+    """Splash (the TPU's kernel) takes queries and keys in blocks of a multiple of 128 positions (a lane's
+    width): each call's are a row, or over a context axis of n a chunk of it (check_context) and, on a
+    sliding layer, the window before the chunk with it."""
+    window, chunk = model_config(cfg).sliding_window, cfg.seq_len // (2 * n) if n > 1 else cfg.seq_len
+    keys = window + chunk if n > 1 and window < cfg.seq_len else chunk
+    if chunk % 128 or keys % 128:
+        where = f" over --mesh {cfg.mesh}: chunks of {chunk}, {keys} keys with the window" if n > 1 else ""
+        raise FlagError(
+            f"--seq_len {cfg.seq_len}{where}: attention 'splash' takes blocks of a multiple of 128 positions; "
+            "expected --seq_len (and over a context axis each chunk and the sliding window) a multiple of 128, "
+            "or --attention local"
         )
 
 

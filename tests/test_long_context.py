@@ -258,6 +258,12 @@ def test_cudnn_s_bound_on_documents_is_counted_in_the_data_and_refused_below_it(
             ["--mesh", "context=2", "--attention", "cudnn", "--dtype", "bfloat16"],
             "--mesh context=2 (context=2): attention 'cudnn' does",
         ),
+        (  # before, Splash's backward failed as it compiled (block_q must be a multiple of 128)
+            ["--mesh", "context=2", "--attention", "splash"],
+            "--seq_len 256 over --mesh context=2: chunks of 64, 128 keys with the window: attention 'splash' "
+            "takes blocks of a multiple of 128 positions",
+        ),
+        (["--seq_len", "64", "--attention", "splash"], "--seq_len 64: attention 'splash' takes blocks of a"),
     ],
 )
 def test_bad_stage3_flags_are_one_line(tmp_path, flags, message):
