@@ -1043,13 +1043,12 @@ class Olmo3(eqx.Module):
         torchao does. On a mesh `layout` (shard.Layout) casts and places them (Layout.weights: all-gathered
         over fsdp, or each device's own copy), except the layer stack, which the scan places one layer at a
         time (placed_block; its fp8 linears gathered as fp8 bits)."""
-        if layout is not None:
-            return layout.weights(self, self.compute.dtype)
-        dtype = self.compute.dtype
-        model = jax.tree.map(lambda w: w.astype(dtype) if eqx.is_inexact_array(w) else w, self)
-        if self.compute.fp8:
-            model = eqx.tree_at(block_linears, model, block_linears(self))
-        return model
+        if self.compute.remat == "auto":
+            raise ValueError(
+                "Compute.remat 'auto' is decided per run (train.fitting_microbatches picks the lightest that "
+                f"fits): expected one of {', '.join(REMAT_POLICIES)}"
+            )
+        return in_compute_dtype(self) if layout is None else layout.weights(self, self.compute.dtype)
 
     def features(
         self,
@@ -1057,11 +1056,12 @@ class Olmo3(eqx.Module):
         layout=None,
         documents: Int[Array, "*batch seq"] | None = None,
         positions: Int[Array, "*batch seq"] | None = None,
+        grad_sum: "Block | None" = None,
     ) -> Float[Array, "*batch seq embed"]:
         """The final-normed hidden states that the LM head reads. `documents` (packed rows: each position's
         document) masks attention between documents. RoPE's `positions` default to 0 ... seq - 1 across the
         row, as in the code AI2's released long-context model trained with; document_positions(documents)
-        restarts them at each document, as OLMo-core does since May 2026."""
+        restarts them at each document, as OLMo-core does since May 2026. `grad_sum`: see layer_stack."""
         cfg, compute = self.cfg, self.compute
         if compute.attention == "auto":
             raise ValueError(
@@ -1092,32 +1092,106 @@ class Olmo3(eqx.Module):
             context=context,
             max_documents=compute.max_documents,
         )
-        x = model.layer_stack(x, layout, attend, positions)
+        x = self.layer_stack(x, layout, attend, positions, grad_sum)
         x = per_device(rms_norm, copies)(x, model.norm, cfg.norm_eps)
         return x if context == 1 else _row_order(x, context, x.ndim - 2)
 
-    def layer_stack(self, x, layout, attend, positions) -> Float[Array, "*batch seq embed"]:
+    def layer_stack(self, x, layout, attend, positions, grad_sum=None) -> Float[Array, "*batch seq embed"]:
         """The blocks, in order, on hidden states `x`. They run as a scan over groups of `period` layers (4 for
         OLMo 3: S, S, S, F), so the compiled program holds one group whatever the depth, and each layer's
-        window is static."""
+        window is static. Each layer's fp32 masters are cast (and on a mesh placed) as its group runs.
+
+        `grad_sum` (the layers' fp32 gradients summed so far, shaped as `self.layers`): gradient accumulation
+        in the backward pass, as PyTorch adds each gradient into `.grad`. The backward pass adds each group's
+        weight gradient into its slice of the sum as it makes it (sum_into), and autodiff hands the new sum
+        back as the cotangent of `grad_sum`; the layers themselves get none. So a microbatch's gradient of
+        the stack never exists whole beside the sum: on the 7B, 24 GiB of fp32 a device saved."""
         cfg, compute, seq = self.cfg, self.compute, x.shape[-2]
         copies = layout.copies(compute.dtype) if layout is not None else None
         dense = functools.partial(block_linear, fp8=compute.fp8, devices=copies)
         norm = per_device(rms_norm, copies)
         types = cfg.layer_types[: cfg.period]
         ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in set(types)}
-        groups = jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), self.layers)
+        by_group = lambda tree: jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), tree)
+        weights = self.layers if grad_sum is None else jax.lax.stop_gradient(self.layers)
+        groups = by_group(weights)
+        total = None if grad_sum is None else by_group(grad_sum)
 
-        def group(x, blocks):
+        def group(carry, xs):
+            x, total = carry
+            blocks, g = xs
+            if total is not None:
+                blocks, total = sum_into(blocks, total, g)
             for i, t in enumerate(types):
-                block = jax.tree.map(lambda w: w[i], blocks)
-                block = placed_block(block, compute, layout) if layout is not None else block
+                block = used_block(jax.tree.map(lambda w: w[i], blocks), compute, layout)
                 x = block(x, *ropes[t], cfg.window(t), cfg, attend, dense, norm)
-            return x, None
+            return (x, total), None
 
         if compute.remat != "none":
             group = jax.checkpoint(group, policy=REMAT_POLICIES[compute.remat])
-        return jax.lax.scan(group, x, groups, unroll=compute.scan_unroll)[0]
+        xs = (groups, jnp.arange(cfg.n_layers // cfg.period))
+        x, total = jax.lax.scan(group, (x, total), xs, unroll=compute.scan_unroll)[0]
+        return x if total is None else with_sum(x, total)
+
+
+# Gradient accumulation inside the backward pass (Olmo3.layer_stack's grad_sum). Two custom VJPs, both
+# identities forward. sum_into stands where group g's weights enter the layer scan, the running sum threaded
+# through the scan beside the hidden states; backward, it adds the group's weight gradient into the sum's slice
+# g (in place: the scan carries the sum) and passes no gradient to the weights. with_sum ends the stack:
+# backward, it hands the stack the sum so far as the cotangent of the carried sum, whatever came from the
+# loss (nothing: the forward pass never reads the sum). So the reverse scan starts from the sum, adds group
+# after group into it, and the cotangent autodiff returns for `grad_sum` is the sum with this microbatch's
+# gradient added: acc + g, the same additions, in the same dtype, as summing whole gradient trees.
+
+
+@jax.custom_vjp
+def sum_into(blocks, total, g):
+    return blocks, total
+
+
+def _sum_into_fwd(blocks, total, g):
+    return (blocks, total), g
+
+
+def _sum_into_bwd(g, cotangents):
+    grads, total = cotangents
+    add = lambda t, d: jax.lax.dynamic_update_index_in_dim(
+        t, jax.lax.dynamic_index_in_dim(t, g, keepdims=False) + d.astype(t.dtype), g, 0
+    )
+    return None, jax.tree.map(add, total, grads), None
+
+
+sum_into.defvjp(_sum_into_fwd, _sum_into_bwd)
+
+
+@jax.custom_vjp
+def with_sum(x, total):
+    return x
+
+
+def _with_sum_fwd(x, total):
+    return x, total
+
+
+def _with_sum_bwd(total, dx):
+    return dx, total
+
+
+with_sum.defvjp(_with_sum_fwd, _with_sum_bwd)
+
+
+def used_block(block: "Block", compute: Compute, layout) -> "Block":
+    """One layer's fp32 masters as its layers compute with them (Olmo3.as_used for one layer): cast to the
+    compute dtype, or on a mesh cast and placed (placed_block)."""
+    return in_compute_dtype(block, compute) if layout is None else placed_block(block, compute, layout)
+
+
+def in_compute_dtype(tree: "Olmo3 | Block", compute: Compute | None = None) -> "Olmo3 | Block":
+    """A model's (or one block's) fp32 masters cast to the compute dtype, except under Compute.fp8 the block
+    linears, which stay fp32: fp8_linear casts the master weight to fp8 itself, as torchao does."""
+    compute = compute or tree.compute
+    used = jax.tree.map(lambda w: w.astype(compute.dtype) if eqx.is_inexact_array(w) else w, tree)
+    return eqx.tree_at(block_linears, used, block_linears(tree)) if compute.fp8 else used
 
 
 def block_linears(model: "Olmo3 | Block") -> list:
