@@ -89,7 +89,6 @@ def assert_bitwise(got, want):
     [
         ("float32", "none"),
         ("float32", "full"),
-        ("bfloat16", "full"),
         ("bfloat16", "save_matmuls"),
         ("bfloat16", "save_attention"),
     ],
@@ -121,13 +120,13 @@ def test_on_a_mesh_the_sums_equal_whole_gradient_trees_added_bitwise(spec, fp8):
 def test_a_tpu_step_holds_one_fp32_gradient_tree_not_two():
     """Compiled for 4 v5p chips (libtpu's compiler, on this CPU): the plain step holds each microbatch's fp32
     layer gradients beside the carried sum; ours does not, so its temporaries are smaller by at least that
-    tree (fp32 layer weights, split over the 4 chips). Measured: 8 layers at the 1B's width, seq 1024,
-    8 microbatches: the saving is about twice that tree."""
+    tree (fp32 layer weights, split over the 4 chips). Measured: 8 layers of d 512, 8 microbatches of one
+    row of 512: 36.6 MiB less (157.8 against 194.5), the tree 20.0 MiB; at the 1B's width and rows of 1024,
+    3.0 GiB less, twice the tree."""
     target = shard.compile_target("v5p-8")
     mesh = shard.make_mesh("fsdp=-1", list(target.devices))
-    cfg = dataclasses.replace(CFG, global_batch=8 * mesh.size, seq_len=1024, microbatch=1)
-    base = olmo3.MODELS["1b"]
-    mcfg = dataclasses.replace(base, n_layers=8, layer_types=base.layer_types[:8], vocab_size=8192)
+    cfg = dataclasses.replace(CFG, global_batch=8 * mesh.size, seq_len=512, microbatch=1)
+    mcfg = dataclasses.replace(MODEL, d_model=512, n_heads=4, n_kv_heads=4, head_dim=128, mlp_hidden=1024)
     compute = olmo3.Compute(dtype="bfloat16", attention="splash", remat="full")
     ours_compiled = train.compile_step(cfg, mesh, mcfg, compute, 8)[0]
     model, opt = train.abstract_state(cfg, mesh, mcfg, compute)
@@ -141,3 +140,20 @@ def test_a_tpu_step_holds_one_fp32_gradient_tree_not_two():
     temp = lambda c: c.memory_analysis().temp_size_in_bytes
     layer_grads = sum(x.size * 4 for x in jax.tree.leaves(model.layers)) / mesh.size
     assert temp(plain) - temp(ours_compiled) >= layer_grads, (temp(plain), temp(ours_compiled), layer_grads)
+
+
+# Rerun with the [gpu] extra: pip install -e ".[gpu,test]" && pytest tests/test_grad_sum.py -k gpu
+@pytest.mark.slow
+def test_gpu_the_7b_with_8_microbatches_compiles_for_one_h200_within_120_gib():
+    """The 7B recipe one row at a time, 8 rows a step, full remat, compiled for one H200 (XLA's GPU compiler,
+    compile-only): parameters 27.2 GiB, Adam 54.4, one fp32 gradient sum and the step's temporaries. Adding
+    each microbatch's whole tree needed 139.3 GiB; measured now: 117.1."""
+    pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    target = shard.compile_target("h200x1")
+    mesh = shard.make_mesh("fsdp=1", list(target.devices))
+    cfg = dataclasses.replace(train.PRESETS["7b"], global_batch=8, microbatch=1)
+    compute = dataclasses.replace(train.compute_policy(cfg, mesh), remat="full")
+    assert compute.attention == "cudnn"
+    model_cfg = train.model_config(cfg)
+    _, total = shard.memory_use(lambda: train.compile_step(cfg, mesh, model_cfg, compute, n_micro=8))
+    assert total <= 120 * 2**30, total / 2**30
