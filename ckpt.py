@@ -1901,6 +1901,35 @@ def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: 
         raise _unwritable(run_dir, e) from e
 
 
+def autotuned_gemms(run_dir, device, compile_step, say=print) -> None:
+    """On a GPU under deterministic ops: GEMMs that are the autotuned ones, the same in every process and at
+    every restart (why: shard.py, above autotune_name). A run's first start on a kind of GPU compiles the
+    step once more, tuned (`compile_step(options)`), and keeps XLA's choices in RUN_DIR/autotune/ (one file
+    per GPU kind and jaxlib: shard.autotune_name); this process holds them already, and every later start
+    loads the file. Call before the step first compiles. A file XLA cannot load stops the run, naming it."""
+    if device.platform != "gpu":
+        return
+    kept = data.join(run_dir, "autotune", shard.autotune_name(device))
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, "autotune.textproto")  # XLA reads and writes local files only
+        if data.exists(kept):
+            data.write_file(local, data.read_bytes(kept))
+            try:
+                shard.load_autotuning(local, device)
+            except jax.errors.JaxRuntimeError as e:
+                raise RunDirError(
+                    f"{kept}: XLA cannot load these GEMM choices ({_cause(e)}); remove the file and the next "
+                    "start tunes afresh (the step's kernels may then differ from the run's so far)"
+                ) from e
+            say(f"GEMM autotuning: XLA's choices loaded from {kept}")
+            return
+        say(f"GEMM autotuning: compiling the step once more to tune it, for {kept} ...")
+        compile_step(shard.tuning_options(local))
+        tuned = os.path.exists(local)  # on a GPU; a compile-only target tunes nothing
+        if tuned and jax.process_index() == 0:
+            data.write_file(kept, data.read_bytes(local))
+
+
 def log_error(run_dir, what: str, e: BaseException) -> None:
     """Append the full story of error `e` (its traceback, causes included) to RUN_DIR/log.txt, under `what`
     and the time: the one-line message a user sees summarises it. Process 0 writes; a log that cannot be

@@ -14,7 +14,10 @@ single-device run.
 """
 
 import dataclasses
+import functools
 import importlib.util
+import inspect
+import json
 import math
 import os
 import re
@@ -26,6 +29,7 @@ import warnings
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -595,6 +599,86 @@ def traffic(found: list[Collective]) -> dict[tuple[str, str], list[int]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# What a compiled step computes: its matrix multiplications' FLOPs, read from the optimized HLO text, each
+# instruction as often as the step runs it. Whatever recomputation the program does (--remat, a kernel's
+# backward pass) is in them; elementwise work is not.
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One fused attention kernel (Splash's Mosaic call, cuDNN's fmha) of a compiled program: its score
+    matrices, and how many matmuls over them it makes."""
+
+    matrices: int  # rows x heads: one (queries, keys) score matrix each
+    queries: int
+    keys: int
+    head_dim: int
+    matmuls: int  # forward: scores and their values (2); backward: the scores again, as flash attention's
+    # backward recomputes them, then the gradients of the probabilities, queries, keys and values (5)
+    runs: int  # how often a step runs it
+
+
+def matmul_flops(hlo: str) -> tuple[int, list[AttentionCall]]:
+    """The FLOPs one device's step spends in matrix multiplications (2 per multiply-add), and its attention
+    kernels, whose FLOPs depend on the mask (counted by the caller). XLA's dots and convolutions (CPU, TPU)
+    and cuBLAS's GEMMs (GPU) from their shapes: each output element sums over the contracted dimensions (a
+    convolution's: its kernel's input features and window). Each as often as the step runs it (_runs)."""
+    comps, entry = _computations(hlo)
+    ops = {op.name: op for body in comps.values() for op in body}
+    runs, _ = _runs(comps, entry, ops)
+    flops, kernels = 0, []
+    for where, body in comps.items():
+        for op in body:
+            if call := _attention_call(op, ops, runs[where]):
+                kernels.append(call)
+            else:
+                flops += runs[where] * _matmul_flops(op, ops)
+    return flops, kernels
+
+
+def _dims(hlo_type: str) -> list[tuple[int, ...]]:
+    """The dimensions of each array in an HLO type (a tuple's too)."""
+    found = re.findall(r"\b[a-z]+\d*[a-z0-9]*\[([\d,]*)\]", hlo_type)
+    return [tuple(int(d) for d in dims.split(",") if d) for dims in found]
+
+
+def _matmul_flops(op: _Op, ops: dict[str, _Op]) -> int:
+    """2 x the output's elements x what each sums over, for a dot, a convolution or a cuBLAS GEMM; 0 else."""
+    out = math.prod(_dims(op.type)[0])
+    if op.opcode == "convolution":  # dim_labels=LHS_RHS->OUT; the kernel's (RHS) labels: i, o, window digits
+        kernel = re.search(r"dim_labels=\w+_(\w+)->", op.attributes)[1]
+        shape = _dims(ops[op.operands[1]].type)[0]
+        return 2 * out * math.prod(n for label, n in zip(kernel, shape, strict=True) if label != "o")
+    if op.opcode == "dot":
+        summed = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", op.attributes)[1]
+    elif op.opcode == "custom-call" and 'custom_call_target="__cublas$' in op.attributes:
+        summed = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', op.attributes)[1]
+    else:
+        return 0
+    lhs = _dims(ops[op.operands[0]].type)[0]
+    return 2 * out * math.prod(lhs[int(d)] for d in re.findall(r"\d+", summed))
+
+
+def _attention_call(op: _Op, ops: dict[str, _Op], runs: int) -> AttentionCall | None:
+    """A Splash or cuDNN attention kernel, read from its operands' shapes; None for any other instruction.
+    Splash takes (mask data, q, k, v, ...), q as (..., heads, queries, head_dim), k as (..., keys, head_dim);
+    cuDNN states its score matrices' shape (batch, heads, queries, keys) and takes q first (..., head_dim)."""
+    if op.opcode != "custom-call":
+        return None
+    splash = re.search(r"splash_mha_(fwd|dkv)", op.name + op.attributes)
+    if splash and 'custom_call_target="tpu_custom_call"' in op.attributes:
+        arrays = [(ops[n].type, _dims(ops[n].type)[0]) for n in op.operands]
+        q, k = [shape for t, shape in arrays if t.startswith(("f", "bf")) and len(shape) >= 3][:2]
+        return AttentionCall(math.prod(q[:-2]), q[-2], k[-2], q[-1], 2 if splash[1] == "fwd" else 5, runs)
+    if cudnn := re.search(r'custom_call_target="__cudnn\$fmha\w*?(Backward)?"', op.attributes):
+        scores = re.search(r'"intermediate_tensor_shape":.*?"dimensions": ?\[([^\]]*)\]', op.attributes)
+        batch, heads, queries, keys = (int(n) for n in re.findall(r"\d+", scores[1]))
+        head_dim = _dims(ops[op.operands[0]].type)[0][-1]
+        return AttentionCall(batch * heads, queries, keys, head_dim, 5 if cudnn[1] else 2, runs)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Parameters: logical names from olmo3.py's annotations, then the rules.
 
 
@@ -675,14 +759,14 @@ def abstract(tree, shardings):
     )
 
 
-def compile_abstract(fn, *args, donate: int = 0):
+def compile_abstract(fn, *args, donate: int = 0, options: dict | None = None):
     """`fn(*args)` compiled for abstract arrays with shardings (see `abstract`), nothing allocated: a 7B step
     for a pod's worth of devices compiles on a laptop. The first `donate` arguments are donated, as the real
-    step donates them. Lowered through jax.jit: eqx.filter_jit would take abstract arrays for static
-    values."""
+    step donates them; `options`: XLA's, for this compile only (tuning_options). Lowered through jax.jit:
+    eqx.filter_jit would take abstract arrays for static values."""
     dynamic, static = eqx.partition(args, is_array)
     run = lambda *dynamic: eqx.filter(fn(*eqx.combine(dynamic, static)), is_array)
-    return jax.jit(run, donate_argnums=tuple(range(donate))).lower(*dynamic).compile()
+    return jax.jit(run, donate_argnums=tuple(range(donate))).lower(*dynamic).compile(options)
 
 
 def _is_axes(x) -> bool:
@@ -931,10 +1015,78 @@ def deterministic_gpu_ops() -> None:
     """GPU kernels that sum in a fixed order, so that a step retaken after a resume computes the same bits:
     by default autotuned GEMMs and cuDNN attention's backward may sum in a varying order, and two runs of the
     same step drift apart (CPU and TPU steps repeat bit for bit anyway). Call before anything touches a
-    device: XLA reads its flags once."""
+    device: XLA reads its flags once. Every cuDNN attention backward call is then marked deterministic where
+    JAX writes it: without that, a step with several identical calls fails (deterministic_cudnn_backward)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_gpu_deterministic_ops" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_deterministic_ops=true".strip()
+    deterministic_cudnn_backward()
+
+
+def deterministic_cudnn_backward() -> None:
+    """Work around an XLA bug (openxla/xla pull request #46500, open; seen with JAX 0.11.2): under
+    deterministic ops, XLA's cuDNN pass fingerprints each attention backward call
+    (`__cudnn$fmhaSoftmaxBackward`) *before* it writes `force_deterministic` into the call's backend config.
+    Of several identical calls only the first gets the flag and a compiled graph; the others look up, at
+    their first run, a graph that was never built: `IndexError: raw_hash_map<>::at`. OLMo 3's layer group
+    (sliding x3, full) has three identical calls. Here every backward config gets the flag where JAX writes
+    it, before XLA fingerprints anything, so all fingerprints agree. Both ways into cuDNN attention
+    (jax.nn.dot_product_attention and JAX's cuDNN module, olmo3._cudnn_attention) lower through this one
+    function, looked up at each lowering.
+
+    Remove this once a released jaxlib carries the XLA fix. It replaces a private JAX function: where that is
+    not there as expected, JAX is left as it is (a deterministic GPU step with several identical cuDNN calls
+    then fails at its first run as above; nothing else changes)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    except ImportError:
+        return
+    config = getattr(cudnn, "create_dot_product_attention_backend_config", None)
+    if config is None or getattr(config, "forces_determinism", False):  # absent, or replaced already
+        return
+    signature = inspect.signature(config)
+    if "is_bwd" not in signature.parameters:
+        return
+
+    @functools.wraps(config)
+    def deterministic_config(*args, **kwargs):
+        text = config(*args, **kwargs)
+        if not signature.bind(*args, **kwargs).arguments["is_bwd"]:
+            return text
+        backend = json.loads(text)
+        backend["cudnn_fmha_backend_config"]["force_deterministic"] = True
+        return json.dumps(backend)
+
+    deterministic_config.forces_determinism = True
+    cudnn.create_dot_product_attention_backend_config = deterministic_config
+
+
+# Deterministic GEMMs that are the autotuned ones. Under deterministic ops XLA's autotuner takes the first
+# GEMM configuration that compiles, not the fastest, unless its autotuning cache holds a choice, which it
+# looks up first. A compile tuned as without deterministic ops fills this process's cache and writes what XLA
+# chose to a file, which a later process loads into its own before compiling (XLA's docs/determinism.md:
+# compilation stays deterministic with persisted autotuning). ckpt.autotuned_gemms keeps it in the run's
+# directory.
+
+
+def autotune_name(device) -> str:
+    """The file of XLA's GEMM choices for one kind of GPU under one jaxlib: XLA keys its choices by the GPU
+    and refuses a file of another version of its own. E.g. NVIDIA_H200_141GB_HBM3e-jaxlib0.10.2.textproto."""
+    kind = re.sub(r"[^\w.-]+", "_", device.device_kind)
+    return f"{kind}-jaxlib{jaxlib.__version__}.textproto"
+
+
+def tuning_options(file: str) -> dict:
+    """A GPU compile's options (`.compile(options)`) that autotune its GEMMs as without deterministic ops and
+    write XLA's choices to local `file`. A compile-only target tunes nothing and writes no file."""
+    return {"xla_gpu_deterministic_ops": False, "xla_gpu_dump_autotune_results_to": file}
+
+
+def load_autotuning(file: str, device) -> None:
+    """XLA's GEMM choices in local `file` (written by a compile given tuning_options) loaded into this
+    process's autotuning cache, by a compile of nothing much for `device`; XLA loads one file per process."""
+    like = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
+    jax.jit(lambda x: x + 1).lower(like).compile({"xla_gpu_load_autotune_results_from": file})
 
 
 def initialize(
