@@ -63,7 +63,9 @@ class Compute:
 
     dtype: str = "float32"  # "bfloat16" on accelerators; parameters (and Adam moments) stay fp32
     attention: str = "reference"  # one of ATTENTION_KERNELS, or "auto": train.py picks by hardware
-    remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES
+    remat: str = "none"  # what the layer scan keeps for the backward pass: a key of REMAT_POLICIES, or
+    # "auto": train.py takes the one that recomputes least (none, save_matmuls, full) whose step fits in 95%
+    # of each device's memory, then the most rows at a time that fit; a CPU: full
     scan_unroll: int = 1  # layer groups per scan iteration
     max_documents: int = 0  # packed rows (--pack_files) on cuDNN: the most documents a row holds (the
     # padding one), a static bound cuDNN's packed attention compiles for; 0: train.py counts the data's most
@@ -73,7 +75,7 @@ class Compute:
         for name, allowed in [
             ("dtype", DTYPES),
             ("attention", ("auto",) + ATTENTION_KERNELS),
-            ("remat", tuple(REMAT_POLICIES)),
+            ("remat", ("auto",) + tuple(REMAT_POLICIES)),
             ("fp8", FP8_RECIPES),
         ]:
             if getattr(self, name) not in allowed:

@@ -118,7 +118,7 @@ class TrainConfig:
     loss: str = flag("fused", choices=("fused", "reference"))  # the fused LM head + loss, or plain autodiff
 
     # compute: the compute policy (olmo3.Compute), its fields flags of their own (--dtype, --attention, ...)
-    compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="full")
+    compute: olmo3.Compute = olmo3.Compute(dtype="bfloat16", attention="auto", remat="auto")
     reduce_dtype: str = recipe("float32", choices=("float32", "bfloat16"))  # gradients summed over devices in
     # it: OLMo-core's reduce_dtype (its scripts' float32); bfloat16: in the compute dtype, as before the flag
     microbatch: int = flag(0, low=0)  # instances per device per forward/backward; 0 = the device's share
@@ -748,9 +748,10 @@ def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
     if peak:
         mfu = f"peak {peak / 1e12:.0f} TFLOP/s per device, dense bf16"
         mfu += " (MFU's, fp8 or not)" if fp8 else ""
+    remat = compute.remat + (" (the lightest that fits, chosen below)" if compute.remat == "auto" else "")
     say(
         f"compute: attention kernel {compute.attention!r} on {device.platform}, {compute.dtype}{fp8}, remat "
-        f"{compute.remat}; mesh {dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes; "
+        f"{remat}; mesh {dict(mesh.shape)} over {mesh.size} devices in {jax.process_count()} processes; "
         + mfu
     )
     yarn = model_cfg.rope_full.yarn
@@ -849,17 +850,22 @@ def one_epoch_where_asked(cfg: TrainConfig, epoch: int) -> TrainConfig:
 def set_up(plan: Plan, target) -> tuple[Run, tuple]:
     """The run under way, once it holds its lock: the run directory opened, the newest valid checkpoint
     restored (or the stage's start, or a fresh init) as (step, model, optimizer state, key), the rows past it
-    dropped from metrics.jsonl (steps to retake; --eval_only only adds a row), and the microbatch whose rows
-    fit, where the model runs."""
+    dropped from metrics.jsonl (steps to retake; --eval_only only adds a row), and where the model runs, the
+    microbatch whose rows fit and the remat policy (fitting_microbatches), the model computing with it."""
     cfg, mesh = plan.cfg, plan.mesh
     run = open_run(plan)
     state = restore_or_init(run)
     if not cfg.eval_only:
         run.log.rewind(state[0])
     if cfg.eval_only or state[0] < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
-        compile_for = lambda n_micro: compile_step(cfg, mesh, plan.model_cfg, plan.compute, n_micro)
-        n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
-        run = dataclasses.replace(run, n_micro=n_micro)
+        with_remat = lambda remat: dataclasses.replace(plan.compute, remat=remat)
+        compile_for = lambda n, remat: compile_step(cfg, mesh, plan.model_cfg, with_remat(remat), n)
+        n_micro, remat = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
+        run = dataclasses.replace(run, n_micro=n_micro, compute=with_remat(remat))
+        state = (state[0], state[1].using(run.compute), *state[2:])
+    if cfg.deterministic and not cfg.eval_only and state[0] < cfg.steps:  # GPUs: tuned deterministic GEMMs
+        tune = lambda options: compile_step(cfg, mesh, plan.model_cfg, run.compute, run.n_micro, options)
+        ckpt.autotuned_gemms(cfg.run_dir, mesh.devices.flat[0], tune, say)
     return run, state
 
 
@@ -1289,44 +1295,85 @@ def microbatches(cfg: TrainConfig, mesh, microbatch: int = 0) -> int:
     return per_device // microbatch
 
 
-def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -> int:
-    """microbatches(), but where --microbatch is not given and the devices state their memory (`hbm` bytes
-    each: TPUs, GPUs, a --topology; a CPU states none): the fewest microbatches whose step the target's
-    compiler says fits, by bisection over the divisors of each device's rows (memory grows with the rows
-    taken at once), so that a preset fits the chips it is given. `compile_for(n_micro)` compiles the step
-    (compile_step); each try is one compile (minutes for the 7B). If even one row at a time does not fit,
-    one row it is, and the dry run's table says what would."""
-    n_micro = microbatches(cfg, mesh)
-    if cfg.microbatch or not hbm:
-        return n_micro
+# The remat policies --remat auto tries, from the one that recomputes least to the one that recomputes most,
+# which is also from the most memory to the least. The dry run's recompute factor, the tiny model's step at
+# rows of 512 compiled for a v5e (Splash) and an H200 (cuDNN) alike: none 1.0065 (the kernels' backward
+# recomputes the scores), save_matmuls 1.0195 (and the attention forward), save_attention 1.2178, full 1.2178
+# (and every linear). save_attention recomputes as much as full wherever attention is a fused kernel: its
+# backward needs the forward's softmax statistics, which only rerunning the kernel gives. So it holds more than
+# full for no FLOP saved, and the search skips it.
+REMAT_BY_RECOMPUTE = ("none", "save_matmuls", "full")
+# What the fit search leaves free of each device's memory: a compile without the device misses what only the
+# device adds (on a GPU cuDNN's workspace, autotuned kernels' own, the allocator's fragmentation: the 7B's step
+# compiled on an H200 needed 143.7 GiB where the dry run's compile said 141.9, 1.3% more), and a step that
+# fills HBM to the byte is one XLA change from not fitting. 5% of a v5p's 95.7 GiB is 4.8 GiB.
+FIT_MARGIN = 0.05
+
+
+def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -> tuple[int, str]:
+    """(microbatches, remat policy) a step takes: what --microbatch and --remat say; where the devices state
+    their memory (`hbm` bytes each: TPUs, GPUs, a --topology), what they leave open is what fits in all but
+    FIT_MARGIN of it, as the target's compiler says (`compile_for(n_micro, remat)` compiles the step:
+    compile_step; each try is one compile, minutes for the 7B):
+    - --remat auto: the policy that recomputes least (REMAT_BY_RECOMPUTE: none, save_matmuls, full) whose
+      step fits at one row per device at a time (or --microbatch's rows), the lightest tried first; full if
+      none does;
+    - --microbatch 0: the most rows per device at a time that fit with that policy, by bisection over the
+      divisors of each device's rows (memory grows with the rows taken at once), so that a preset fits the
+      chips it is given. If even one row at a time does not fit, one row it is, and the dry run's table says
+      what would.
+    On devices that state no memory (a CPU), --remat auto is full, the policy of least memory, as the presets
+    had before auto, and the microbatch is --microbatch's (0: each device's whole share)."""
+    n_micro, remat = microbatches(cfg, mesh), cfg.compute.remat
+    if not hbm:
+        if remat == "auto":
+            say("remat: full (--remat auto, on devices that state no memory to fit a lighter policy in)")
+        return n_micro, "full" if remat == "auto" else remat
     per_device = cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+    room, need = hbm * (1 - FIT_MARGIN), {}  # need: (rows at once, policy) -> bytes per device, as compiled
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+
+    def fits(rows: int, policy: str) -> bool:
+        if (rows, policy) not in need:
+            say(f"fit: compiling {rows} row(s) per device at a time, remat {policy}, to see if it fits ...")
+            need[rows, policy] = shard.memory_use(lambda: compile_for(per_device // rows, policy))[1]
+        return need[rows, policy] <= room
+
+    within = f"within {gib(room)} ({1 - FIT_MARGIN:.0%} of {gib(hbm)} per device)"
+    if remat == "auto":
+        rows = cfg.microbatch or 1
+        remat = next((policy for policy in REMAT_BY_RECOMPUTE if fits(rows, policy)), "full")
+        why = "the policy that recomputes least of those that fit" if fits(rows, remat) else "no policy fits"
+        tried = ", ".join(f"{policy} {gib(b)}" for (r, policy), b in need.items() if r == rows)
+        say(
+            f"remat: {remat} (--remat auto): {why} {rows} row(s) per device at a time {within} (need: {tried})"
+        )
+        if not fits(rows, remat):  # more rows would not fit either
+            return per_device // rows, remat
+    if cfg.microbatch:
+        return n_micro, remat
     sizes = [rows for rows in range(1, per_device + 1) if per_device % rows == 0]
-    need = {}  # rows at once -> bytes per device, as compiled
-
-    def fits(rows: int) -> bool:
-        say(f"microbatch: compiling with {rows} row(s) per device at a time, to see whether it fits ...")
-        need[rows] = shard.memory_use(lambda: compile_for(per_device // rows))[1]
-        return need[rows] <= hbm
-
-    fit, too_big = -1, len(sizes) - 1  # indices into sizes: the largest known to fit, the smallest not
-    if fits(sizes[-1]):
-        return n_micro
+    if fits(sizes[-1], remat):
+        return n_micro, remat
+    # Indices into sizes: the largest known to fit (one row, if the policy's search compiled it), the smallest not.
+    fit, too_big = 0 if (1, remat) in need else -1, len(sizes) - 1
     while too_big - fit > 1:
         mid = (fit + too_big) // 2
-        fit, too_big = (mid, too_big) if fits(sizes[mid]) else (fit, mid)
+        fit, too_big = (mid, too_big) if fits(sizes[mid], remat) else (fit, mid)
     rows = sizes[max(fit, 0)]
-    gib = lambda b: f"{b / 2**30:.1f} GiB"
-    verdict = f"the most that fit: {gib(need[rows])}" if fit >= 0 else "and even that does not fit"
+    verdict = f"the most that fit: {gib(need[rows, remat])}" if fit >= 0 else "and even that does not fit"
     say(
-        f"microbatch: {rows} row(s) per device at a time ({per_device // rows} microbatches), {verdict} of "
-        f"{gib(hbm)} per device ({per_device} rows at once: {gib(need[per_device])}); --microbatch sets it"
+        f"microbatch: {rows} row(s) per device at a time ({per_device // rows} microbatches), {verdict} {within} "
+        f"({per_device} rows at once: {gib(need[per_device, remat])}); --microbatch sets it"
     )
-    return per_device // rows
+    return per_device // rows, remat
 
 
-def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int):
-    """The train step compiled for the mesh from abstract inputs, nothing allocated; returns it and those
-    inputs by name."""
+def compile_step(
+    cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int, options=None
+):
+    """The train step compiled for the mesh from abstract inputs, nothing allocated (with XLA's `options`:
+    shard.compile_abstract); returns it and those inputs by name."""
     model, opt = abstract_state(cfg, mesh, model_cfg, compute)
     rows = lambda dtype: jax.ShapeDtypeStruct(
         (cfg.global_batch, cfg.seq_len), dtype, sharding=shard.batch_sharding(mesh)
@@ -1342,6 +1389,7 @@ def compile_step(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: 
         jax.ShapeDtypeStruct((), jnp.float32),
         packed,
         donate=2,
+        options=options,
     )
     params = eqx.filter(model, olmo3.is_array)
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": (batch, packed)}
@@ -1398,27 +1446,34 @@ def report_eval_steps(
 
 
 def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -> int:
-    """Compile one train step (in the microbatches that fit, unless --microbatch says) and report what each
-    device holds, against its HBM; 1 if it does not fit."""
-    compile_for = functools.cache(lambda n_micro: compile_step(cfg, mesh, model_cfg, compute, n_micro))
-    n_micro = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
+    """Compile one train step (in the microbatches and remat policy that fit, unless --microbatch and --remat
+    say) and report what each device holds, against its HBM, and what it computes; 1 if it does not fit."""
+    with_remat = lambda remat: dataclasses.replace(compute, remat=remat)
+    compile_for = functools.cache(lambda n, remat: compile_step(cfg, mesh, model_cfg, with_remat(remat), n))
+    n_micro, remat = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
+    compute = with_remat(remat)
     rows = cfg.global_batch // n_micro // (mesh.shape["data"] * mesh.shape["fsdp"])
     split = (
         f" (each row's positions over {mesh.shape['context']} devices)" if mesh.shape["context"] > 1 else ""
     )
+    chosen = " (--remat auto: the least recomputation that fits)" if cfg.compute.remat == "auto" else ""
     say(
         f"dry run: {cfg.preset} on {shard.describe(mesh, target)}, {n_micro} microbatch(es) of {rows} rows x "
-        f"{cfg.seq_len} per device{split}, attention {compute.attention!r}, remat {compute.remat}; compiling ..."
+        f"{cfg.seq_len} per device{split}, attention {compute.attention!r}, remat {remat}{chosen}; compiling ..."
     )
     tips = [f"--microbatch {rows // 2} (fewer rows at a time)"] if rows > 1 else []
-    tips += ["--remat full (recompute each layer in the backward pass)"] if compute.remat != "full" else []
+    tips += ["--remat full (recompute each layer in the backward pass)"] if remat != "full" else []
     tips = ", ".join([*tips, "more chips, or a tensor or context axis in --mesh"])
-    fits = shard.fit_report(lambda: compile_for(n_micro), mesh, target, tips, say)
+    fits = shard.fit_report(lambda: compile_for(n_micro, remat), mesh, target, tips, say)
     if fits:  # what runs the matmuls (fp8 under --fp8?), as the target's compiler emitted them
-        hlo = compile_for(n_micro)[0].as_text()
+        hlo = compile_for(n_micro, remat)[0].as_text()
         kinds = matmul_kinds(hlo).most_common()
         said = ", ".join(f"{n} {kind}" for kind, n in kinds)
         say(f"matmuls in the compiled step (the layer scan's body once): {said}")
+        say(
+            f"recompute: {recompute_factor(hlo, cfg, mesh, model_cfg):.2f}× the model's FLOPs (the compiled "
+            f"step's matmuls, each as often as it runs, over the model's; remat {remat})"
+        )
         report_traffic(hlo, traffic_floor(cfg, mesh, model_cfg, compute, n_micro))
     report_eval_steps(cfg, mesh, model_cfg, compute, n_micro, target)
     if compute.attention == "reference":
@@ -1426,6 +1481,22 @@ def dry_run(cfg: TrainConfig, mesh, model_cfg, compute: olmo3.Compute, target) -
     step_flops = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
     say(f"FLOPs per step: {step_flops:.3e}, {step_flops / mesh.size:.3e} per device")
     return 0 if fits else 1
+
+
+def recompute_factor(hlo: str, cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config) -> float:
+    """The FLOPs a compiled step executes, its matmuls on every device (shard.matmul_flops), over the model's
+    (Olmo3Config.flops_per_token, which MFU counts): 1 where nothing is computed twice; --remat full's
+    recomputed forward pass adds about a third. An attention kernel's score matrices count the (query, key)
+    pairs the model's masks keep, as flops_per_token counts them: its shapes do not say whether a sliding or a
+    full layer called it, and every layer's kernels run equally often, so each call counts the layers' mean
+    (a call on a chunk of a row, over a context axis: all its pairs)."""
+    matmuls, kernels = shard.matmul_flops(hlo)
+    types = model_cfg.layer_types
+    pairs = lambda q, k: sum(model_cfg.attention_pairs(q, t) for t in types) / len(types) if q == k else q * k
+    per_pair = lambda c: 2 * c.matmuls * c.matrices * c.head_dim * c.runs  # 2 FLOPs a multiply-add
+    attention = sum(per_pair(c) * pairs(c.queries, c.keys) for c in kernels)
+    step = model_cfg.flops_per_token(cfg.seq_len) * cfg.global_batch * cfg.seq_len
+    return (matmuls + attention) * mesh.size / step
 
 
 def report_traffic(hlo: str, floor: dict) -> None:

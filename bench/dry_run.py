@@ -48,6 +48,13 @@ ROWS = [
     ("remat", "7b tpu7x-512 --remat none"),
     ("remat", "7b tpu7x-512 --remat save_attention"),
     ("remat", "7b tpu7x-512 --remat save_matmuls"),
+    # --remat auto (the presets' default): the policy and microbatch the fit search takes, and what the step
+    # computes over the model's FLOPs (the "recompute" line), for the 7B and the 32B.
+    *[
+        ("auto", f"{p} {t}")
+        for p in ("7b", "32b")
+        for t in ("v5p-512", "tpu7x-512", "v6e-256", "h200x8", "h200x1")
+    ],
     # Stage 3: 64 (the 32B: 128) rows of 65,536 tokens, documents packed; the fsdp x tensor mesh, or a context
     # axis of 8 as OLMo-core's scripts split a row.
     ("long-context", "7b-long-context v5p-512 --mesh=fsdp=64,tensor=4"),
@@ -123,13 +130,16 @@ TRAFFIC = re.compile(r"^  ([a-z-]+) +(\w+) +(\d+) +([\d,.]+) +([\d,.]+|-)  (\d+)
 
 
 def report(text: str) -> dict:
-    """What train.py --dry_run printed: its memory rows (GiB by name), its set-up line, its verdict, and its
-    traffic table: each row's arrays, MiB, floor MiB (None: no floor) and arrays overlapped, and the totals."""
+    """What train.py --dry_run printed: its memory rows (GiB by name), its set-up line, its verdict, its
+    recompute factor, and its traffic table: each row's arrays, MiB, floor MiB (None: no floor) and arrays
+    overlapped, and the totals."""
     found = {m[0].strip(): float(m[1]) for m in re.findall(r"^  (.{26}) +([\d.]+) GiB$", text, re.MULTILINE)}
     if m := re.search(r"^dry run: .*$", text, re.MULTILINE):
         found["setup"] = m.group(0)
     if m := re.search(r"^(fits.*|does not fit.*)$", text, re.MULTILINE):
         found["verdict"] = m.group(1)
+    if m := re.search(r"^recompute: ([\d.]+)× ", text, re.MULTILINE):
+        found["recompute"] = float(m[1])
     mib = lambda said: None if said == "-" else float(said.replace(",", ""))
     if rows := TRAFFIC.findall(text):
         found["traffic"] = {

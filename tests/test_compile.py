@@ -5,20 +5,24 @@ Splash kernel, from a CPU-only machine."""
 import collections
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import ckpt
 import olmo3
 import shard
 import train
@@ -128,10 +132,11 @@ def test_train_step_compiles_for_a_tpu_with_the_mosaic_kernel_under_fsdp_and_ten
 @pytest.mark.slow
 def test_without_microbatch_the_most_rows_that_fit_are_taken_at_once(capsys):
     """--microbatch unset, on devices that state their memory: the most rows per device at a time whose
-    compiled step the TPU compiler says fits (a preset fits the chips it is given). The memory is set here
-    between what 2 and 4 rows at once need, then below what one row needs. (The search is what is tested, so
-    the tiny model is made smaller still: half as wide, a third of its MLP, an eighth of its vocabulary; rows of 64:
-    its three TPU compiles take 16 s of CPU, not 41.)"""
+    compiled step the TPU compiler says fits, FIT_MARGIN of the memory kept free (a preset fits the chips it is
+    given). The memory is set here so that what the search may fill lies between what 2 and 4 rows at once
+    need, then below what one row needs. (The search is what is tested, so the tiny model is made smaller
+    still: half as wide, a third of its MLP, an eighth of its vocabulary; rows of 64: its three TPU compiles
+    take 16 s of CPU, not 41.)"""
     target = shard.compile_target("v5e:2x2")
     mesh = shard.make_mesh("fsdp=4", list(target.devices))
     cfg = dataclasses.replace(
@@ -140,18 +145,154 @@ def test_without_microbatch_the_most_rows_that_fit_are_taken_at_once(capsys):
     fields = dict(d_model=128, n_heads=2, n_kv_heads=2, mlp_hidden=256, vocab_size=1024)
     model_cfg = train.model_config(cfg, dataclasses.replace(olmo3.MODELS["tiny"], **fields))
     compute = train.compute_policy(cfg, mesh)
-    compile_for = functools.cache(lambda n_micro: train.compile_step(cfg, mesh, model_cfg, compute, n_micro))
-    need = {rows: shard.memory_use(lambda: compile_for(4 // rows))[1] for rows in (1, 2, 4)}  # 4 per device
+    assert compute.remat == "none"  # the tiny preset's own: taken as given, no policy searched
+    compile_for = functools.cache(lambda n, _: train.compile_step(cfg, mesh, model_cfg, compute, n))
+    need = {rows: shard.memory_use(lambda: compile_for(4 // rows, "none"))[1] for rows in (1, 2, 4)}  # of 4
     assert need[1] < need[2] < need[4] < target.hbm_per_device
-    choose = lambda hbm: train.fitting_microbatches(cfg, mesh, hbm, compile_for)
-    assert choose(target.hbm_per_device) == 1  # the whole share fits
-    assert choose((need[2] + need[4]) // 2) == 2
+    hbm = lambda room: int(room / (1 - train.FIT_MARGIN))  # the memory whose search may fill `room`
+    choose = lambda room: train.fitting_microbatches(cfg, mesh, hbm(room), compile_for)
+    assert choose(target.hbm_per_device) == (1, "none")  # the whole share fits
+    assert choose((need[2] + need[4]) // 2) == (2, "none")
     said = capsys.readouterr().out.splitlines()[-1]
     assert said.startswith("microbatch: 2 row(s) per device at a time (2 microbatches), the most that fit:")
-    assert choose(need[1] // 2) == 4 and "and even that does not fit" in capsys.readouterr().out
+    assert choose(need[1] // 2) == (4, "none") and "and even that does not fit" in capsys.readouterr().out
     given = dataclasses.replace(cfg, microbatch=1)  # --microbatch given: taken as it is, nothing compiled
-    assert train.fitting_microbatches(given, mesh, target.hbm_per_device, None) == 4
+    assert train.fitting_microbatches(given, mesh, target.hbm_per_device, None) == (4, "none")
     assert capsys.readouterr().out == ""
+
+
+@functools.cache
+def deep_steps(topology: str):
+    """The tiny model made deep and narrow (16 layers, width 128, vocabulary 1,024), so that its layers'
+    activations are most of a step's memory and remat has 4 layer groups to save between; 4 rows of 1,024
+    tokens, bf16, compiled for `topology` (fsdp over its devices, its own attention kernel): the config, mesh,
+    model and a compile_for(n_micro, remat) that compiles each step once."""
+    target = shard.compile_target(topology)
+    mesh = shard.make_mesh(f"fsdp={min(4, len(target.devices))}", list(target.devices)[:4])
+    compute = olmo3.Compute("bfloat16", "auto", remat="auto")
+    cfg = dataclasses.replace(train.PRESETS["tiny"], global_batch=4, seq_len=1024, compute=compute)
+    tiny = olmo3.MODELS["tiny"]
+    fields = dict(n_layers=16, layer_types=tiny.layer_types * 4, d_model=128, n_heads=2, n_kv_heads=2)
+    model_cfg = train.model_config(cfg, dataclasses.replace(tiny, **fields, mlp_hidden=256, vocab_size=1024))
+    with_remat = lambda remat: dataclasses.replace(train.compute_policy(cfg, mesh), remat=remat)
+    compile_for = functools.cache(
+        lambda n, remat: train.compile_step(cfg, mesh, model_cfg, with_remat(remat), n)
+    )
+    return cfg, mesh, model_cfg, compile_for
+
+
+@pytest.mark.slow
+def test_remat_auto_takes_the_policy_that_recomputes_least_of_those_that_fit(capsys):
+    """--remat auto on a TPU: each policy compiled at one row per device, lightest first; the first whose
+    step fits in all but FIT_MARGIN of the memory is taken: none where memory allows, save_matmuls where only
+    it and full fit, full where only full fits or nothing does. An explicit --remat is taken as given, and
+    devices that state no memory get full. (Three TPU compiles of a small model, about 20 s each here.)"""
+    cfg, mesh, _, compile_for = deep_steps("v5e:2x2")  # one row per device
+    need = {
+        remat: shard.memory_use(lambda: compile_for(1, remat))[1]
+        for remat in ("none", "save_matmuls", "full")
+    }
+    assert need["none"] > need["save_matmuls"] > need["full"], need  # less kept, less memory
+    hbm = lambda room: int(room / (1 - train.FIT_MARGIN))  # the memory whose search may fill `room`
+    choose = lambda room: train.fitting_microbatches(cfg, mesh, hbm(room), compile_for)
+    assert choose(2 * need["none"]) == (1, "none")
+    assert choose((need["none"] + need["save_matmuls"]) // 2) == (1, "save_matmuls")
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said.startswith(
+        "remat: save_matmuls (--remat auto): the policy that recomputes least of those that fit 1 row(s) per "
+        "device at a time within"
+    ), said
+    assert choose((need["save_matmuls"] + need["full"]) // 2) == (1, "full")
+    assert choose(need["full"] // 2) == (1, "full") and "no policy fits" in capsys.readouterr().out
+    given = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, remat="save_matmuls"))
+    assert train.fitting_microbatches(given, mesh, hbm(need["full"]), compile_for) == (1, "save_matmuls")
+    assert train.fitting_microbatches(cfg, mesh, None, None) == (1, "full")  # a CPU's devices
+    assert "remat: full (--remat auto, on devices that state no memory" in capsys.readouterr().out
+
+
+def expected_recompute(cfg, model_cfg, remat: str) -> float:
+    """What a step computes over what the model counts (flops_per_token), from the model's shapes alone: the
+    fused attention kernels' backward recomputes the scores (one matmul over the kept pairs, beyond the model's
+    six); save_matmuls recomputes the attention forward too (two); full every layer's forward (and the two)."""
+    m, seq, rows = model_cfg, cfg.seq_len, cfg.global_batch
+    model = m.flops_per_token(seq) * rows * seq
+    pairs = rows * sum(m.attention_pairs(seq, t) for t in m.layer_types)
+    scores = 2 * m.n_heads * m.head_dim * pairs  # one matmul over every kept (query, key) pair
+    linears = (
+        2
+        * rows
+        * seq
+        * m.n_layers
+        * m.d_model
+        * ((2 * m.n_heads + 2 * m.n_kv_heads) * m.head_dim + 3 * m.mlp_hidden)
+    )
+    again = {"none": scores, "save_matmuls": 3 * scores, "full": 3 * scores + linears}[remat]
+    return (model + again) / model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "topology,policies", [("v5e:2x2", ("none", "save_matmuls", "full")), ("h200x1", ("none", "full"))]
+)
+def test_the_recompute_factor_counts_what_the_compiled_step_runs(topology, policies):
+    """train.recompute_factor (the dry run's "recompute" line) on Splash (TPU) and cuDNN (GPU) steps, against
+    expected_recompute: none ~1.00, full ~1 + the forward's share (here 1.2: the LM head, which no policy
+    recomputes, is a large part of this small model)."""
+    if topology.startswith("h200"):
+        pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    cfg, mesh, model_cfg, compile_for = deep_steps(topology)
+    for remat in policies:
+        hlo = compile_for(1, remat)[0].as_text()
+        factor = train.recompute_factor(hlo, cfg, mesh, model_cfg)
+        assert factor == pytest.approx(expected_recompute(cfg, model_cfg, remat), rel=1e-3), remat
+
+
+def test_matmul_flops_are_the_multiply_adds_of_each_matmul_as_often_as_it_runs():
+    """shard.matmul_flops on a hand-made program: a dot with two contracted and a batch dimension, a
+    windowed convolution and a cuBLAS GEMM in a loop run 3 times. Each matmul's multiply-adds counted
+    one by one: the sum of its output computed on operands of ones (every term a 1)."""
+    hlo = """HloModule hand_made
+
+%cond (c: (s32[], f32[3,4,5,6])) -> pred[] {
+  %c = (s32[], f32[3,4,5,6]{3,2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[3,4,5,6])) -> (s32[], f32[3,4,5,6]) {
+  %p = (s32[], f32[3,4,5,6]{3,2,1,0}) parameter(0)
+  %a = f32[3,4,5,6]{3,2,1,0} get-tuple-element(%p), index=1
+  %b = f32[3,6,5,7]{3,2,1,0} constant({...})
+  %dot = f32[3,4,7]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2,3}, rhs_batch_dims={0}, rhs_contracting_dims={2,1}
+  %x = f32[2,9,4]{2,1,0} constant({...})
+  %k = f32[3,4,5]{2,1,0} constant({...})
+  %conv = f32[2,7,5]{2,1,0} convolution(%x, %k), window={size=3}, dim_labels=b0f_0io->b0f
+  %l = bf16[8,32]{1,0} constant({...})
+  %r = bf16[32,16]{1,0} constant({...})
+  %gemm = (bf16[8,16]{1,0}, s8[4194304]{0}) custom-call(%l, %r), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %j = s32[] get-tuple-element(%p), index=0
+  %one = s32[] constant(1)
+  %next = s32[] add(%j, %one)
+  ROOT %t = (s32[], f32[3,4,5,6]{3,2,1,0}) tuple(%next, %a)
+}
+
+ENTRY %main (x: f32[3,4,5,6]) -> (s32[], f32[3,4,5,6]) {
+  %x0 = f32[3,4,5,6]{3,2,1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[3,4,5,6]{3,2,1,0}) tuple(%zero, %x0)
+  ROOT %w = (s32[], f32[3,4,5,6]{3,2,1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+    ones = lambda *shape: jnp.ones(shape, jnp.float32)
+    dot = jnp.einsum("bikl,blkj->bij", ones(3, 4, 5, 6), ones(3, 6, 5, 7))
+    conv = jax.lax.conv_general_dilated(
+        ones(2, 9, 4), ones(3, 4, 5), (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC")
+    )
+    assert conv.shape == (2, 7, 5)
+    gemm = ones(8, 32) @ ones(32, 16)
+    multiply_adds = sum(int(out.sum()) for out in (dot, conv, gemm))
+    assert shard.matmul_flops(hlo) == (3 * 2 * multiply_adds, [])
 
 
 def test_dry_run_prints_the_memory_table_per_device(tmp_path):
@@ -230,6 +371,8 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     # What runs the matmuls: the 7 linears x 3 matmuls of the scanned group of 4 layers and the LM head's 3 (the
     # attention is Splash's kernel), all bf16 on the MXU.
     assert "\nmatmuls in the compiled step (the layer scan's body once): 87 bf16 (convolution)\n" in table
+    # The tiny preset's remat none: nothing computed twice but Splash's backward's scores (0.3% here).
+    assert "\nrecompute: 1.00× the model's FLOPs (the compiled step's matmuls," in table
     # The evaluation steps, compiled too: the parameters and a forward pass's temporaries, no optimizer state.
     evals = dict(
         re.findall(r"^  (held-out \(LM\)|downstream tasks) +([\d.]+) GiB a device \(fits\)$", table, re.M)
@@ -243,6 +386,7 @@ def test_dry_run_for_a_tpu_slice_prints_the_table_and_a_verdict_without_libtpu_n
     import dry_run
 
     found = dry_run.report(out.stdout)
+    assert found["recompute"] == 1.0
     row = dry_run.table_row(
         {"row": "tiny v5litepod-4 --mesh=fsdp=2,tensor=2 --dtype bfloat16", "seconds": 9, **found}
     )
@@ -340,6 +484,15 @@ def test_every_gradient_is_summed_in_fp32_and_the_traffic_table_is_the_hlo_s(top
 def gpu_compile(topology: str, mesh_spec: str, head_layout: str = "", kv_heads: int = 0, **packing):
     """The tiny step compiled for GPUs: how many cuDNN attention calls forward and backward, and (packed rows)
     the documents a row each call was compiled for."""
+    hlo = gpu_step_hlo(topology, mesh_spec, head_layout, kv_heads, **packing)
+    calls = {
+        k: hlo.count(f'custom_call_target="__cudnn${k}"') for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")
+    }
+    return calls, set(map(int, re.findall(r'max_seg_per_batch\\?":\s*(\d+)', hlo)))
+
+
+def gpu_step_hlo(topology: str, mesh_spec: str, head_layout: str = "", kv_heads: int = 0, **packing) -> str:
+    """The tiny step compiled for GPUs (bf16, the attention the devices take: cuDNN), as XLA's text."""
     pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
     target = shard.compile_target(topology)
     mesh = shard.make_mesh(mesh_spec, list(target.devices))
@@ -352,11 +505,7 @@ def gpu_compile(topology: str, mesh_spec: str, head_layout: str = "", kv_heads: 
     model_cfg = train.model_config(cfg)
     model_cfg = dataclasses.replace(model_cfg, n_kv_heads=kv_heads) if kv_heads else model_cfg
     compiled, _ = train.compile_step(cfg, mesh, model_cfg, compute, n_micro=1)
-    hlo = compiled.as_text()
-    calls = {
-        k: hlo.count(f'custom_call_target="__cudnn${k}"') for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")
-    }
-    return calls, set(map(int, re.findall(r'max_seg_per_batch\\?":\s*(\d+)', hlo)))
+    return compiled.as_text()
 
 
 @pytest.mark.parametrize("topology,mesh_spec", [("h200x1", "fsdp=1"), ("h200x8", "fsdp=4,tensor=2")])
@@ -373,6 +522,84 @@ def test_gpu_packed_rows_compile_to_cudnn_s_packed_layout(topology, mesh_spec, k
     segments it is given are checked against the document mask in tests/test_long_context.py."""
     got = gpu_compile(topology, mesh_spec, kv_heads=kv_heads, pack_files=2, max_documents=5)
     assert got == ({"fmhaSoftmax": 4, "fmhaSoftmaxBackward": 4}, {5})
+
+
+def cudnn_backward_configs(hlo: str) -> list[dict]:
+    """The cuDNN attention parameters of each backward call of a compiled program, as XLA holds them."""
+    calls = re.findall(r'custom_call_target="__cudnn\$fmhaSoftmaxBackward".*?backend_config=(\{.*)', hlo)
+    return [json.JSONDecoder().raw_decode(text)[0]["cudnn_fmha_backend_config"] for text in calls]
+
+
+@pytest.mark.parametrize(
+    "deterministic,packing",
+    [(True, {}), (True, dict(pack_files=2, max_documents=5)), (False, {})],
+    ids=["deterministic", "deterministic-packed", "nondeterministic"],
+)
+def test_gpu_every_cudnn_backward_call_is_marked_deterministic_under_deterministic_ops(
+    deterministic, packing, monkeypatch
+):
+    """Under deterministic ops (train.py's default) every cuDNN attention backward call of the step carries
+    force_deterministic: XLA marks only the first of several identical ones, and the others then fail at
+    their first run (shard.deterministic_cudnn_backward). The tiny group (sliding x3, full) has four calls,
+    three identical, as OLMo 3's; packed rows reach cuDNN through JAX's cuDNN module, the others through
+    jax.nn.dot_product_attention. With --deterministic=false none is marked.
+
+    Without a GPU, XLA's cuDNN pass does not run (the calls' workspaces stay u8[0]), so XLA's own marking of
+    the first call is not seen here: unmarked calls are what the step compiles to without the workaround."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    name = "create_dot_product_attention_backend_config"
+    jax_own = getattr(cudnn, name)
+    monkeypatch.setattr(cudnn, name, getattr(jax_own, "__wrapped__", jax_own))  # as if no run started here
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    if deterministic:
+        shard.deterministic_gpu_ops()  # as train.start_devices; XLA's flags were read already: compile-only,
+        # where the cuDNN pass does not run, the step compiles the same without them
+    configs = cudnn_backward_configs(gpu_step_hlo("h200x1", "fsdp=1", **packing))
+    assert [c.get("force_deterministic", False) for c in configs] == [deterministic] * 4
+    windows = collections.Counter(json.dumps(c, sort_keys=True) for c in configs)
+    assert sorted(windows.values()) == [1, 3]
+
+
+def gemm_for(device, options: dict) -> None:
+    """A bf16 GEMM compiled for `device` with XLA's `options`."""
+    like = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+    jax.jit(lambda a: a @ a).lower(like).compile(options)
+
+
+def test_gpu_a_run_s_first_start_tunes_its_gemms_once_and_keeps_xla_s_choices_in_the_run_directory(tmp_path):
+    """Under deterministic ops XLA's autotuner takes the first GEMM configuration that compiles unless its
+    cache holds a choice: a run's first start on a GPU compiles the step once more, tuned as without them,
+    XLA writing its choices to a file the run keeps, one per GPU kind and jaxlib. Compile-only nothing is
+    tuned and XLA writes no file (written here in its place): that a GPU's compile writes it, and that a
+    deterministic compile then takes its choices, only a GPU shows."""
+    pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    device = shard.compile_target("h200x1").devices[0]
+    given = []
+
+    def compile_step(options):
+        gemm_for(device, options)  # the GPU compiler takes them
+        given.append(options)
+        Path(options["xla_gpu_dump_autotune_results_to"]).write_text("XLA's choices")
+
+    ckpt.autotuned_gemms(str(tmp_path), device, compile_step, say=lambda *_: None)
+    assert given == [{"xla_gpu_deterministic_ops": False, "xla_gpu_dump_autotune_results_to": mock.ANY}]
+    kept = tmp_path / "autotune" / f"NVIDIA_H200_141GB_HBM3e-jaxlib{jaxlib.__version__}.textproto"
+    assert kept.read_text() == "XLA's choices"
+
+
+def test_gpu_a_later_start_has_xla_load_the_kept_choices_and_one_it_cannot_load_stops_the_run(tmp_path):
+    """A later start tunes nothing: XLA loads the kept file (once per process: this is the suite's only
+    load). One it cannot parse stops the run in a line naming it."""
+    pytest.importorskip("jax_cuda13_plugin", reason="compiling for a GPU needs the [gpu] extra")
+    device = shard.compile_target("h200x1").devices[0]
+    kept = tmp_path / "autotune" / shard.autotune_name(device)
+    kept.parent.mkdir()
+    kept.write_text("not XLA's choices")
+    with pytest.raises(
+        ckpt.RunDirError, match=f"^{re.escape(str(kept))}: XLA cannot load these GEMM choices"
+    ):
+        ckpt.autotuned_gemms(str(tmp_path), device, compile_step=None, say=lambda *_: None)
 
 
 def test_gpu_head_dim_256_is_allowed_as_on_hopper():

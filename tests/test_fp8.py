@@ -466,7 +466,7 @@ def test_only_the_7b_stage3_preset_trains_in_fp8_as_ai2_s_scripts(capsys):
     compute); OLMo-3-1025-32B-long-context.py and every other stage's script leave it off. --help says so."""
     assert {name for name, cfg in train.PRESETS.items() if cfg.compute.fp8} == {"7b-long-context"}
     assert train.PRESETS["7b-long-context"].compute == olmo3.Compute(
-        "bfloat16", "auto", "full", fp8="tensorwise"
+        "bfloat16", "auto", "auto", fp8="tensorwise"
     )
     for preset, said in [("7b-long-context", "'tensorwise'"), ("32b-long-context", "''")]:
         with pytest.raises(SystemExit):
@@ -481,7 +481,10 @@ def test_the_startup_line_says_fp8_and_which_peak_mfu_is_against(capsys):
     cfg = train.PRESETS["7b-long-context"]
     train.announce(cfg, mesh, train.model_config(cfg), dataclasses.replace(cfg.compute, attention="splash"))
     said = capsys.readouterr().out
-    assert "bfloat16, fp8 tensorwise (the block linears), remat full;" in said
+    assert (
+        "bfloat16, fp8 tensorwise (the block linears), remat auto (the lightest that fits, chosen below);"
+        in said
+    )
     assert "peak 1154 TFLOP/s per device, dense bf16 (MFU's, fp8 or not)" in said
 
 

@@ -121,7 +121,7 @@ def test_a_tpu_step_holds_one_fp32_gradient_tree_not_two():
     """Compiled for 4 v5p chips (libtpu's compiler, on this CPU): the plain step holds each microbatch's fp32
     layer gradients beside the carried sum; ours does not, so its temporaries are smaller by at least that
     tree (fp32 layer weights, split over the 4 chips). Measured: 8 layers of d 512, 8 microbatches of one
-    row of 512: 36.6 MiB less (157.8 against 194.5), the tree 20.0 MiB; at the 1B's width and rows of 1024,
+    row of 512: 36.6 MiB less (157.8 against 194.5), the tree 20.0 MiB; at the 7B's width and rows of 2048,
     3.0 GiB less, twice the tree."""
     target = shard.compile_target("v5p-8")
     mesh = shard.make_mesh("fsdp=-1", list(target.devices))

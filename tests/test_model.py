@@ -283,10 +283,21 @@ def test_compute_refuses_unknown_values_naming_the_field():
         ValueError, match="^Compute.attention 'flash': expected one of auto, reference, local, "
     ):
         olmo3.Compute(attention="flash")
-    with pytest.raises(ValueError, match="^Compute.remat 'some': expected one of none, full, save_matmuls, "):
+    with pytest.raises(
+        ValueError, match="^Compute.remat 'some': expected one of auto, none, full, save_matmuls, "
+    ):
         olmo3.Compute(remat="some")
     with pytest.raises(ValueError, match="^Compute.scan_unroll 0: expected an integer >= 1$"):
         olmo3.Compute(scan_unroll=0)
+
+
+def test_remat_auto_is_refused_by_the_model_until_a_run_decides_it():
+    """--remat auto is train.py's to decide (fitting_microbatches); a model handed it undecided says so."""
+    model = olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0), compute=olmo3.Compute(remat="auto"))
+    with pytest.raises(
+        ValueError, match="^Compute.remat 'auto' is decided per run .*: expected one of none, "
+    ):
+        model(jnp.zeros((1, 8), jnp.int32))
 
 
 OLMO_CORE_PRESETS = {"190m": "olmo3_190M", "1b": "olmo3_1B", "7b": "olmo3_7B", "32b": "olmo3_32B"}

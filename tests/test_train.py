@@ -719,7 +719,7 @@ BAD_FLAGS = [  # (flags, the one line train.py answers with)
         "--reduce_dtype bfloat16: gradients summed narrower than --dtype float32 makes them; expected float32",
     ),
     ("--model 70b", "--model '70b': expected one of tiny, 190m, 1b, 7b, 32b"),
-    ("--remat some", "--remat 'some': expected one of none, full, save_matmuls, save_attention"),
+    ("--remat some", "--remat 'some': expected one of auto, none, full, save_matmuls, save_attention"),
     ("--mesh fsdp=two", "--mesh 'fsdp=two': expected entries like data=2,fsdp=-1,context=1,tensor=1"),
     ("--topology v5p-512", "--topology v5p-512: devices that exist only for the compiler; add --dry_run"),
     ("--dry_run --eval_only", "--dry_run and --eval_only: choose one"),
@@ -763,7 +763,7 @@ def test_help_lists_every_flag_with_its_default_and_comment():
         line = next(line for line in out.stdout.splitlines() if line.startswith(f"  --{name} "))
         assert comment in line, line
     assert "--lr                   0.0003         peak learning rate" in out.stdout
-    assert "--remat                'full'" in out.stdout
+    assert "--remat                'auto'" in out.stdout
 
 
 def test_help_shows_the_chosen_preset_s_values(capsys):
