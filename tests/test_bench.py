@@ -3,6 +3,7 @@
 tests/test_reference.py, bench/compare.py by tests/test_compare.py, bench/fp8.py by tests/test_fp8.py."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,74 +13,127 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench(script: str, *args: str) -> str:
+def bench(script: str, *args: str, env: dict | None = None) -> str:
     out = subprocess.run(
-        [sys.executable, f"bench/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=900
+        [sys.executable, f"bench/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=os.environ | (env or {}),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
-# bench/speed.py --gpu --small: each section's title, then its rows by system, then its closing lines.
-GPU_SECTIONS = [
-    (
-        "8 layers at 7B width, seq 256, batch 1",
-        [
-            "olmo3-jax (cudnn window, no remat)",
-            "transformers eager (sdpa, autocast bf16)",
-            "transformers + torch.compile (aot_eager)",
-        ],
-        ["ratio ours/transformers-eager = ", "ratio ours/transformers-compiled = "],
-    ),
-    (
-        "the full 7B on one chip: microbatch 1 x 256, 8 accumulated, remat full",
-        ["olmo3-jax 7b preset (remat full)", "transformers, gradient checkpointing"],
-        ["ratio ours/transformers-checkpointing = "],
-    ),
-    (
-        "levers, 8 layers at 7B width, seq 256, batch 1",
-        [
-            "default: cudnn, remat none",
-            "remat save_matmuls",
-            "remat save_attention",
-            "remat full",
-            "fused loss in chunks of 1024",
-            "scan_unroll 2",
-            "attention reference (XLA)",
-            "heads 2x128 (cudnn)",
-            "heads 2x128 (XLA)",
-        ],
-        [],
-    ),
-    (
-        "determinism: two fresh runs of 4 layers, batch 1 x 256",
-        ["determinism run 1", "determinism run 2"],
-        ["determinism: losses bitwise equal: "],  # the CPU's XLA ops are deterministic
-    ),
-]
+# bench/speed.py --plan N --small: each section's title, then its rows by system (None: the repro's own lines),
+# then its closing lines.
+PLAN = {
+    1: [
+        ("the cuDNN attention repro: python bench/cudnn_repro.py --small", None, ["repro: exit 0, "]),
+        (
+            "8 layers at 7B width, seq 128, batch 1, no remat",
+            [
+                "olmo3-jax (deterministic ops), process 1",
+                "olmo3-jax (deterministic ops), process 2",
+                "olmo3-jax, --nondeterministic",
+            ],
+            [
+                "determinism: losses bitwise equal: ",  # the CPU's XLA ops are deterministic
+                "ratio deterministic/nondeterministic = ",
+            ],
+        ),
+    ],
+    2: [
+        (
+            "the full 7B on one chip: microbatch 1 x 128, 8 accumulated, remat full",
+            ["olmo3-jax 7b preset (remat full)"],
+            [],
+        ),
+        (
+            "levers, 8 layers at 7B width, seq 128, batch 1",
+            [
+                "default: cudnn, remat none",
+                "scan_unroll 2",
+                "remat save_matmuls",
+                "remat save_attention",
+                "remat full",
+                "heads 2x64 (cudnn)",
+            ],
+            [
+                "ratio scan_unroll 2/default = ",
+                "ratio remat save_matmuls/default = ",
+                "ratio remat save_attention/default = ",
+                "ratio remat full/default = ",
+                "ratio heads 2x64 (cudnn)/default = ",
+            ],
+        ),
+    ],
+}
+FWD_BWD = {"olmo3-jax (deterministic ops), process 1", "olmo3-jax (deterministic ops), process 2"}
+FWD_BWD |= {"olmo3-jax, --nondeterministic"}  # the rows whose forward+backward is timed apart
+
+
+def check_table(block: str, title: str, systems: list[str], closing: list[str]) -> None:
+    """A section's title, its columns, a row of figures for each system (on the CPU every lever compiles, so
+    a row without figures is a bug; MFU is "-" without a chip's peak), then its closing lines."""
+    lines = block.splitlines()
+    assert lines[0].startswith(title) and lines[1].split()[:3] == ["system", "tokens/s", "step"], block
+    rows, rest = lines[2 : 2 + len(systems)], lines[2 + len(systems) :]
+    assert [row[:44].rstrip() for row in rows] == systems, block
+    for row in rows:  # tokens/s, step s, MFU, fwd+bwd s, its MFU, peak memory, compile s
+        tokens_s, step_s, mfu, fwd_bwd_s, fwd_bwd_mfu, mem, _ = row[44:].split()
+        assert float(tokens_s.replace(",", "")) > 0 and float(step_s) > 0 and float(mem) > 0, row
+        assert mfu == fwd_bwd_mfu == "-", row
+        assert (float(fwd_bwd_s) > 0) if row[:44].rstrip() in FWD_BWD else fwd_bwd_s == "-", row
+    assert len(rest) == len(closing), block
+    assert all(line.startswith(start) for line, start in zip(rest, closing, strict=True)), block
 
 
 @pytest.mark.slow
-def test_speed_gpu_path_runs_through_every_section_at_a_cpu_s_size(tmp_path):
-    """Each section prints its table, a row of figures for every system (on the CPU every lever compiles, so a
-    lever's "failed" row is a bug), and its ratios."""
-    out = bench("speed.py", "--gpu", "--small", "--json", str(tmp_path / "rows.json"))
+def test_speed_gpu_plan_runs_through_at_a_cpu_s_size(tmp_path):
+    """Both calls of a lent GPU's plan, each row in its own process, what they print and what they write to
+    $OUT: the transcript, the rows as JSON (with the chip, the versions, the losses), each process's log."""
+    for call, sections in PLAN.items():
+        out = bench("speed.py", "--plan", str(call), "--small", env={"OUT": str(tmp_path)})
+        assert (tmp_path / f"plan{call}.txt").read_text() == out
+        blocks = out.strip().split("\n\n")
+        assert blocks[0].startswith("jax ") and f"; plan {call} of 2: " in blocks[0], out
+        assert len(blocks) == 2 + len(sections), out
+        for block, (title, systems, closing) in zip(blocks[1:-1], sections, strict=True):
+            if systems is None:  # the repro: its own output, then how it ended
+                lines = block.splitlines()
+                assert lines[0] == title and lines[-1].startswith(closing[0]), block
+            else:
+                check_table(block, title, systems, closing)
+        measured = [name for _, systems, _ in sections for name in systems or []]
+        assert blocks[-1].startswith(f"{len(measured)} rows measured, 0 without figures, on cpu (jax "), out
+        rows = json.loads((tmp_path / f"plan{call}.json").read_text())
+        assert [r["system"] for r in rows if "exit" not in r] == measured
+        for r in rows:
+            assert "error" not in r and r.get("exit", 0) == 0, r
+            assert (
+                "exit" in r
+                or r["tokens_per_s"] > 0
+                and r["device"] == "cpu"
+                and r["versions"].startswith("jax ")
+            )
+        logs = sorted((tmp_path / f"plan{call}-logs").iterdir())
+        assert len(logs) == len(rows) and all(log.read_text().startswith("$ ") for log in logs)
+    determinism = [r for r in json.loads((tmp_path / "plan1.json").read_text()) if "losses" in r]
+    assert [r["deterministic"] for r in determinism] == [True, True, False]
+    assert len(determinism[0]["losses"]) == 2  # the first step and the one timed step
+
+
+@pytest.mark.slow
+def test_speed_gpu_runs_transformers_in_a_process_of_its_own():
+    """--gpu without --no_transformers: transformers' row measured beside ours, and the ratio of the two."""
+    out = bench("speed.py", "--gpu", "--small", "--only", "7b", env={"OUT": ""})  # no files written
     blocks = out.strip().split("\n\n")
-    assert blocks[0].startswith("jax ") and len(blocks) == 1 + len(GPU_SECTIONS), out
-    for block, (title, systems, closing) in zip(blocks[1:], GPU_SECTIONS, strict=True):
-        lines = block.splitlines()
-        assert lines[0].startswith(title) and lines[1].split()[:3] == ["system", "tokens/s", "step"], block
-        rows, rest = lines[2 : 2 + len(systems)], lines[2 + len(systems) :]
-        assert [row[:44].rstrip() for row in rows] == systems, block
-        for row in rows:  # tokens/s, step s, MFU ("-" without a peak), peak memory, compile s
-            assert "failed:" not in row and len(row[44:].split()) == 5, row
-            tokens_s, step_s, _, mem, _ = row[44:].split()
-            assert float(tokens_s.replace(",", "")) > 0 and float(step_s) > 0 and float(mem) > 0, row
-        assert len(rest) == len(closing), block
-        assert all(line.startswith(start) for line, start in zip(rest, closing, strict=True)), block
-    rows = json.loads((tmp_path / "rows.json").read_text())
-    assert [r["system"] for r in rows] == [name for _, systems, _ in GPU_SECTIONS for name in systems]
-    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    assert len(blocks) == 3, out
+    title = "the full 7B on one chip: microbatch 1 x 128, 8 accumulated, remat full"
+    systems = ["olmo3-jax 7b preset (remat full)", "transformers, gradient checkpointing"]
+    check_table(blocks[1], title, systems, ["ratio ours/transformers-checkpointing = "])
 
 
 def test_dry_run_prints_a_row_train_py_refuses_as_an_error_in_its_table():
@@ -134,3 +188,22 @@ def test_downstream_prints_ours_beside_the_reference_and_the_speeds(tmp_path, ti
         "| downstream evaluation, 2 tasks at 256 | ",
     ]:
         assert f"\n{line}" in out, out
+
+
+def test_cudnn_repro_runs_both_cases_at_a_cpu_s_size():
+    """bench/cudnn_repro.py --small: each case in its own process, each line saying how it ended. With the
+    [gpu] extra the calls are compiled for an H200, and only the workaround marks the backward calls (XLA's
+    own marking happens on a GPU only); without it they run on this CPU through XLA's attention."""
+    lines = bench("cudnn_repro.py", "--small").splitlines()
+    names = ("without the workaround", "with the workaround")
+    assert lines[0].startswith("cuDNN attention backward under deterministic ops: two identical"), lines
+    cases = {line.partition(": ")[0]: line.partition(": ")[2] for line in lines[1:]}
+    if "device" not in cases:
+        assert all(cases[c].startswith("ran (XLA's attention on the cpu") for c in names), lines
+        return
+    assert cases["device"].startswith("NVIDIA H200"), lines
+    for case, marked in zip(names, ("0 of 2", "2 of 2"), strict=True):
+        assert cases[case].startswith(
+            "compiled (not run: no GPU); backward calls marked force_deterministic: "
+        ), lines
+        assert f"force_deterministic: {marked};" in cases[case], lines
