@@ -448,21 +448,12 @@ def row_weights(
 
 
 def loss_fn(
-    model,
-    tokens,
-    keep,
-    row_weight,
-    cfg: TrainConfig,
-    layout=None,
-    label_mask=None,
-    documents=None,
-    grad_sum=None,
+    model, tokens, keep, row_weight, cfg, layout=None, label_mask=None, documents=None, grad_sum=None
 ):
     """The loss over the batch's targeted positions, each row's weighted by `row_weight` (row_weights); aux:
     its CE and z-loss parts. Packed rows: `documents` numbers each position's document (attention stays
     within it), and RoPE's positions run across the row or restart at each document (--positions).
-    `grad_sum`: the layer stack's gradient summed so far, which the backward pass adds to in place
-    (olmo3.Olmo3.layer_stack)."""
+    `grad_sum`: the layer stack's gradients so far, added to by the backward pass (olmo3.Olmo3.layer_stack)."""
     positions = None if documents is None or cfg.positions == "row" else olmo3.document_positions(documents)
     x = model.features(tokens, layout, documents, positions, grad_sum)
     w, targets = model.as_used(layout).lm_head, jnp.roll(tokens, -1, axis=-1)
@@ -483,26 +474,12 @@ def loss_fn(
 
 # ---------------------------------------------------------------------------------------------------------
 # The train step: gradient accumulation over microbatches, then the optimizer. Jitted once; the model and
-# optimizer state are donated, so their buffers are updated in place. The layer stack's gradients (89% of
-# the 7B's) are added into the fp32 sum by the backward pass itself, group by group, as PyTorch adds into
-# .grad: a microbatch's whole gradient never exists beside the sum (olmo3.Olmo3.layer_stack). Compiled for
-# one H200, the 7B with 8 microbatches needed 139.3 GiB when each microbatch's tree was added whole; 117.1 now.
+# optimizer state are donated, so their buffers are updated in place. The backward pass adds the layer stack's
+# gradients into their fp32 sum as it makes them (olmo3.Olmo3.layer_stack): the 7B on one H200, 117.1 GiB.
 
 
 @eqx.filter_jit(donate="all")
-def train_step(
-    model,
-    opt: OptState,
-    batch,
-    lr,
-    *,
-    cfg: TrainConfig,
-    n_micro: int,
-    mesh=None,
-    keep=None,
-    label_mask=None,
-    documents=None,
-):
+def train_step(model, opt, batch, lr, *, cfg, n_micro, mesh=None, keep=None, label_mask=None, documents=None):
     """One optimizer step on `batch` (rows x seq tokens); `keep` says which rows the repeat filter keeps
     (None: all). Packed rows (--pack_files) come with their label mask (False: padding) and each position's
     document number. On a mesh (shard.py), the model and optimizer state keep their shardings, and each
@@ -515,24 +492,21 @@ def train_step(
     label_mask = jnp.ones((rows, seq), bool) if label_mask is None else label_mask
     row_weight = row_weights(keep, label_mask[:, 1:].sum(-1), seq, cfg.dp_ranks)
 
-    # Differentiated: the other weights (their gradients returned, then added to their sum) and the layer
-    # stack's sum (returned with this microbatch's gradients added, by the backward pass).
+    # Differentiated: the other weights, and the layer stack's sum (back with this microbatch's gradients in).
     def micro_loss(differentiated, tokens, keep, row_weight, label_mask, documents):
         others, layers_sum = differentiated
-        model_ = eqx.combine(others, model)
-        return loss_fn(model_, tokens, keep, row_weight, cfg, layout, label_mask, documents, layers_sum)
-
-    grad_fn = eqx.filter_value_and_grad(micro_loss, has_aux=True)
+        args = (tokens, keep, row_weight, cfg, layout, label_mask, documents, layers_sum)
+        return loss_fn(eqx.combine(others, model), *args)
 
     def accumulate(acc, micro):
         (others_sum, layers_sum), ce, z = acc
+        grad_fn = eqx.filter_value_and_grad(micro_loss, has_aux=True)
         (_, (ce_m, z_m)), (grads, layers_sum) = grad_fn((others, layers_sum), *micro)
         return ((jax.tree.map(jnp.add, others_sum, grads), layers_sum), ce + ce_m, z + z_m), None
 
     # Microbatch j takes every n_micro-th row, so each device keeps working on its own rows.
     split = lambda a: a.reshape(rows // n_micro, n_micro, *a.shape[1:]).swapaxes(0, 1)
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-    zero = ((zeros(others), zeros(params.layers)), jnp.zeros(()), jnp.zeros(()))
+    zero = (jax.tree.map(jnp.zeros_like, (others, params.layers)), jnp.zeros(()), jnp.zeros(()))
     micro = jax.tree.map(split, (batch, keep, row_weight, label_mask, documents))  # documents may be None
     ((others_sum, layers_sum), ce, z), _ = jax.lax.scan(accumulate, zero, micro)
     grads = eqx.tree_at(lambda g: g.layers, others_sum, layers_sum, is_leaf=lambda x: x is None)
@@ -1315,19 +1289,18 @@ def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -
     their memory (`hbm` bytes each: TPUs, GPUs, a --topology), what they leave open is what fits in all but
     FIT_MARGIN of it, as the target's compiler says (`compile_for(n_micro, remat)` compiles the step:
     compile_step; each try is one compile, minutes for the 7B):
-    - --remat auto: the policy that recomputes least (REMAT_BY_RECOMPUTE: none, save_matmuls, full) whose
-      step fits at one row per device at a time (or --microbatch's rows), the lightest tried first; full if
-      none does;
+    - --remat auto: the policy that recomputes least whose step fits one row per device at a time (or
+      --microbatch's rows): lightest_remat;
     - --microbatch 0: the most rows per device at a time that fit with that policy, by bisection over the
       divisors of each device's rows (memory grows with the rows taken at once), so that a preset fits the
       chips it is given. If even one row at a time does not fit, one row it is, and the dry run's table says
       what would.
-    On devices that state no memory (a CPU), --remat auto is full, the policy of least memory, as the presets
-    had before auto, and the microbatch is --microbatch's (0: each device's whole share)."""
+    On devices that state no memory (a CPU), --remat auto is full, the policy of least memory, and the
+    microbatch --microbatch's (0: each device's whole share)."""
     n_micro, remat = microbatches(cfg, mesh), cfg.compute.remat
+    if not hbm and remat == "auto":
+        say("remat: full (--remat auto, on devices that state no memory to fit a lighter policy in)")
     if not hbm:
-        if remat == "auto":
-            say("remat: full (--remat auto, on devices that state no memory to fit a lighter policy in)")
         return n_micro, "full" if remat == "auto" else remat
     per_device = cfg.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
     room, need = hbm * (1 - FIT_MARGIN), {}  # need: (rows at once, policy) -> bytes per device, as compiled
@@ -1342,12 +1315,7 @@ def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -
     within = f"within {gib(room)} ({1 - FIT_MARGIN:.0%} of {gib(hbm)} per device)"
     if remat == "auto":
         rows = cfg.microbatch or 1
-        remat = next((policy for policy in REMAT_BY_RECOMPUTE if fits(rows, policy)), "full")
-        why = "the policy that recomputes least of those that fit" if fits(rows, remat) else "no policy fits"
-        tried = ", ".join(f"{policy} {gib(b)}" for (r, policy), b in need.items() if r == rows)
-        say(
-            f"remat: {remat} (--remat auto): {why} {rows} row(s) per device at a time {within} (need: {tried})"
-        )
+        remat = lightest_remat(rows, fits, need, within)
         if not fits(rows, remat):  # more rows would not fit either
             return per_device // rows, remat
     if cfg.microbatch:
@@ -1355,8 +1323,7 @@ def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -
     sizes = [rows for rows in range(1, per_device + 1) if per_device % rows == 0]
     if fits(sizes[-1], remat):
         return n_micro, remat
-    # Indices into sizes: the largest known to fit (one row, if the policy's search compiled it), the smallest not.
-    fit, too_big = 0 if (1, remat) in need else -1, len(sizes) - 1
+    fit, too_big = 0 if (1, remat) in need else -1, len(sizes) - 1  # in sizes: most known to fit, least not
     while too_big - fit > 1:
         mid = (fit + too_big) // 2
         fit, too_big = (mid, too_big) if fits(sizes[mid], remat) else (fit, mid)
@@ -1367,6 +1334,17 @@ def fitting_microbatches(cfg: TrainConfig, mesh, hbm: int | None, compile_for) -
         f"({per_device} rows at once: {gib(need[per_device, remat])}); --microbatch sets it"
     )
     return per_device // rows, remat
+
+
+def lightest_remat(rows: int, fits, need: dict, within: str) -> str:
+    """--remat auto's choice: the policy that recomputes least (REMAT_BY_RECOMPUTE) whose step fits `rows` per
+    device at a time (`fits(rows, policy)` compiles it; `need` holds what each compile needed), lightest
+    first; full if none does. Says which, and what each policy tried needed."""
+    remat = next((policy for policy in REMAT_BY_RECOMPUTE if fits(rows, policy)), "full")
+    why = "the policy that recomputes least of those that fit" if fits(rows, remat) else "no policy fits"
+    tried = ", ".join(f"{policy} {need[r, policy] / 2**30:.1f} GiB" for r, policy in need if r == rows)
+    say(f"remat: {remat} (--remat auto): {why} {rows} row(s) per device at a time {within} (need: {tried})")
+    return remat
 
 
 def compile_step(
