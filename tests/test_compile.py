@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -559,6 +560,34 @@ def test_gpu_every_cudnn_backward_call_is_marked_deterministic_under_determinist
     assert [c.get("force_deterministic", False) for c in configs] == [deterministic] * 4
     windows = collections.Counter(json.dumps(c, sort_keys=True) for c in configs)
     assert sorted(windows.values()) == [1, 3]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
+def test_every_cudnn_backward_call_is_marked_as_jax_lowers_the_step_for_a_gpu(deterministic, monkeypatch):
+    """The test above without the [gpu] extra, as CI runs: the tiny step's loss gradient lowered for a GPU by
+    JAX's own cuDNN lowering, where the workaround acts (nothing compiled). JAX asks the GPU for its cuDNN
+    version and compute capability; they are answered for an H200 with cuDNN 9.28."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    name = "create_dot_product_attention_backend_config"
+    jax_own = getattr(cudnn, name)
+    monkeypatch.setattr(cudnn, name, getattr(jax_own, "__wrapped__", jax_own))  # as if no run started here
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 92800)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: float(capability) <= 9.0)
+    monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    if deterministic:
+        shard.deterministic_gpu_ops()
+    cfg = dataclasses.replace(train.PRESETS["tiny"], seq_len=256)
+    model = olmo3.abstract(train.model_config(cfg), olmo3.Compute("bfloat16", "cudnn"))
+    rows = jax.ShapeDtypeStruct((2, cfg.seq_len), jnp.int32)
+    loss = lambda m, t: train.loss_fn(m, t, jnp.ones(2, bool), jnp.full(2, 0.5), cfg)[0]
+    dynamic, static = eqx.partition(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    grad = jax.jit(jax.grad(lambda dynamic, t: loss(eqx.combine(dynamic, static), t)))
+    text = grad.trace(dynamic, rows).lower(lowering_platforms=("cuda",)).as_text()
+    found = re.findall(r'fmhaSoftmaxBackward\(.*?backend_config = "(.*?)"', text)  # MLIR writes " as \22
+    configs = [json.loads(c.replace("\\22", '"'))["cudnn_fmha_backend_config"] for c in found]
+    assert [c.get("force_deterministic", False) for c in configs] == [deterministic] * 4
 
 
 def gemm_for(device, options: dict) -> None:
