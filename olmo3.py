@@ -1045,11 +1045,6 @@ class Olmo3(eqx.Module):
         torchao does. On a mesh `layout` (shard.Layout) casts and places them (Layout.weights: all-gathered
         over fsdp, or each device's own copy), except the layer stack, which the scan places one layer at a
         time (placed_block; its fp8 linears gathered as fp8 bits)."""
-        if self.compute.remat == "auto":
-            raise ValueError(
-                "Compute.remat 'auto' is decided per run (train.fitting_microbatches picks the lightest that "
-                f"fits): expected one of {', '.join(REMAT_POLICIES)}"
-            )
         return in_compute_dtype(self) if layout is None else layout.weights(self, self.compute.dtype)
 
     def features(
@@ -1069,6 +1064,11 @@ class Olmo3(eqx.Module):
             raise ValueError(
                 "Compute.attention 'auto' is decided per run (train.attention_kernel picks by hardware): "
                 f"expected one of {', '.join(ATTENTION_KERNELS)}"
+            )
+        if compute.remat == "auto":
+            raise ValueError(
+                "Compute.remat 'auto' is decided per run (train.fitting_microbatches picks the lightest that "
+                f"fits): expected one of {', '.join(REMAT_POLICIES)}"
             )
         model = self.as_used(layout)
         seq = tokens.shape[-1]
