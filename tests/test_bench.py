@@ -198,7 +198,7 @@ def test_cudnn_repro_runs_both_cases_at_a_cpu_s_size():
     names = ("without the workaround", "with the workaround")
     assert lines[0].startswith("cuDNN attention backward under deterministic ops: two identical"), lines
     cases = {line.partition(": ")[0]: line.partition(": ")[2] for line in lines[1:]}
-    if "device" not in cases:
+    if cases["device"] == "cpu":  # without the [gpu] extra
         assert all(cases[c].startswith("ran (XLA's attention on the cpu") for c in names), lines
         return
     assert cases["device"].startswith("NVIDIA H200"), lines
