@@ -280,17 +280,6 @@ PRESETS["32b-long-context"] = dataclasses.replace(
 RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("recipe"))
 
 
-# The stages that go on from another's state, as OLMo-core's stage scripts name a load_path: without
-# --init_from they are refused, unless --run_dir already holds the stage (a rerun resumes it).
-STARTS_FROM = {
-    "7b-midtrain": "stage 1 of the 7B (our runs/7b, or OLMo-core's stage1 step directory)",
-    "32b-midtrain-1": "stage 1 of the 32B at step 656,000",
-    "32b-midtrain-2": "stage 1 of the 32B at step 656,000",
-    "7b-long-context": "stage 2 of the 7B (our runs/7b-midtrain, or OLMo-core's stage2 step directory)",
-    "32b-long-context": "stage 1 of the 32B at step 656,000, or the average of its midtraining runs",
-}
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The learning-rate schedule: linear warmup from 0, then cosine (OLMo-core's CosWithWarmup) or linear
 # (LinearWithWarmup) to lr * lr_final at lr_horizon, and there it stays.
@@ -1004,6 +993,17 @@ def init_source(cfg: TrainConfig) -> tuple[str, str, int | None]:
             f"@{step} names a checkpoint of one of our run directories; {path} is {what}, one state"
         )
     return path, kind, step
+
+
+# The stages that go on from another's state, as OLMo-core's stage scripts name a load_path: without
+# --init_from they are refused, unless --run_dir already holds the stage (a rerun resumes it).
+STARTS_FROM = {
+    "7b-midtrain": "stage 1 of the 7B (our runs/7b, or OLMo-core's stage1 step directory)",
+    "32b-midtrain-1": "stage 1 of the 32B at step 656,000",
+    "32b-midtrain-2": "stage 1 of the 32B at step 656,000",
+    "7b-long-context": "stage 2 of the 7B (our runs/7b-midtrain, or OLMo-core's stage2 step directory)",
+    "32b-long-context": "stage 1 of the 32B at step 656,000, or the average of its midtraining runs",
+}
 
 
 def check_start(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config) -> None:
