@@ -1113,7 +1113,9 @@ class Olmo3(eqx.Module):
         dense = functools.partial(block_linear, fp8=compute.fp8, devices=copies)
         norm = per_device(rms_norm, copies)
         types = cfg.layer_types[: cfg.period]
-        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in set(types)}
+        # In the order the types come (not a set's, which varies with Python's string hashing from process to
+        # process): the traced program must be the same in every process for JAX's compilation cache.
+        ropes = {t: rope_cos_sin(cfg.rope(t), cfg.head_dim, seq, positions) for t in dict.fromkeys(types)}
         by_group = lambda tree: jax.tree.map(lambda w: w.reshape(-1, cfg.period, *w.shape[1:]), tree)
         weights = self.layers if grad_sum is None else jax.lax.stop_gradient(self.layers)
         groups = by_group(weights)
