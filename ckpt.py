@@ -10,8 +10,8 @@ In reading order, under its headings:
 4. The OLMo-core format in, with its Adam state.
 5. Averaging two runs.
 6. The run directory's services: the lock that gives it one writer, log.txt, the run's files, preemption.
-7. The metrics log (metrics.jsonl, TensorBoard, W&B) and the plots.
-8. The loop's instruments: the progress bar and the profiler.
+7. The metrics log (metrics.jsonl, TensorBoard, W&B), the goodput account (goodput.jsonl) and the plots.
+8. The loop's instruments: the progress bar, the step watchdog and the profiler.
 9. The command line:
 
     python ckpt.py list RUN_DIR            # checkpoints with step, size, time and validity (reads only)
@@ -19,12 +19,14 @@ In reading order, under its headings:
     python ckpt.py from-hf HF_DIR RUN_DIR  # HF weights -> a run directory train.py continues from (step 0)
     python ckpt.py average RUN_A RUN_B OUT  # the mean of two runs' weights -> step 0 of OUT (weights only)
     python ckpt.py restore-quarantined RUN_DIR [STEP]  # checkpoints set aside as corrupt, moved back
+    python ckpt.py goodput RUN_DIR         # where the run's wall time went, start by start (--json), and a plot
 
-A run directory holds `config.json`, `metrics.jsonl`, `loss.png`, `log.txt` (the full story of every error
-that stopped the run), `lock` while a run writes to it, with --wandb `wandb_id` (the W&B run it continues)
-and `wandb/` (wandb's own files), with --profile `profile/`, and `checkpoints/<step>/` with three Orbax items:
-`model` (parameters), `train` (optimizer state with the skip-step window, RNG key) and `meta` (JSON: the
-config, the data fingerprint and a checksum per array). Orbax commits a step by writing its marker,
+A run directory holds `config.json`, `metrics.jsonl`, `goodput.jsonl` (each start's seconds), `loss.png`,
+`log.txt` (the full story of every error that stopped the run, and every thread's stack where one hung), `lock` while a run writes to it, with --wandb
+`wandb_id` (the W&B run it continues) and `wandb/` (wandb's own files), with --profile `profile/`, on
+devices that state their memory `fit.json` (the fit search's choice: recorded_fit), and
+`checkpoints/<step>/` with three Orbax items: `model` (parameters), `train` (optimizer state with the
+skip-step window, RNG key) and `meta` (JSON: the config, the data fingerprint and a checksum per array). Orbax commits a step by writing its marker,
 `commit_success.txt`, last (COMMIT: no folder is renamed, which Cloud Storage and gcsfuse cannot do), but
 does not validate what it reads back, so the checksums are ours; a checkpoint whose bytes fail them (or cannot
 be parsed) is moved to `quarantined/`, never one the storage failed to serve. Every path a command takes (run
@@ -176,19 +178,38 @@ def _barriers_through_the_coordinator() -> None:
 
 
 class _AppendHandler(logging.Handler):
-    """Log records appended to a file, local or gs:// (which logging.FileHandler cannot write)."""
+    """Orbax's failure detail (its log records, and the late reports _late_callback routes) appended to a file,
+    local or gs:// (which logging.FileHandler cannot write). Each piece is tried once, without the storage's
+    patience: it details a failure already reported in one line, often the storage's own, and a patience spent
+    on it would delay the stop. A piece that cannot be written is dropped, and that said once on stderr: never a
+    traceback, never raised into Orbax."""
 
     def __init__(self, path):
         super().__init__()
-        self.path = path
+        self.path, self.dropped = path, False
 
     def emit(self, record):
         try:
             with _FORMATTING:  # its exception's traceback too (format_traceback)
                 text = self.format(record)
-            data.append(self.path, text + "\n")
         except Exception:  # logging's own way: said on stderr, never raised into Orbax
             self.handleError(record)
+            return
+        self.add(text + "\n")
+
+    def add(self, text: str) -> None:
+        with self.lock:  # (logging's, held around emit too): one piece at a time, one line said at most
+            try:
+                with data.tried_once():
+                    data.append(self.path, text)
+            except Exception as e:
+                if not self.dropped:
+                    why = data.transient_answer(e) or e
+                    print(
+                        f"also: Orbax's failure detail dropped: {self.path} not written ({why})",
+                        file=sys.stderr,
+                    )
+                self.dropped = True
 
 
 def _orbax_detail_to(log) -> None:
@@ -200,19 +221,20 @@ def _orbax_detail_to(log) -> None:
     absl.propagate = False
     for handler in absl.handlers[:]:
         absl.removeHandler(handler)
-    absl.addHandler(_AppendHandler(log) if log else logging.NullHandler())
-    sys.unraisablehook = functools.partial(_late_callback, sys.__unraisablehook__, log)
+    detail = _AppendHandler(log) if log else None
+    absl.addHandler(detail or logging.NullHandler())
+    sys.unraisablehook = functools.partial(_late_callback, sys.__unraisablehook__, detail)
 
 
-def _late_callback(default, log, unraisable) -> None:
-    """Route to `log` the two late reports of a failure Checkpoints has already reported: the closed event
+def _late_callback(default, detail: _AppendHandler | None, unraisable) -> None:
+    """Route to `detail` the two late reports of a failure Checkpoints has already reported: the closed event
     loop, and an Orbax coroutine (reading another array of a damaged checkpoint) collected after its error."""
     code = getattr(unraisable.object, "cr_code", None)
     from_orbax = code is not None and f"orbax{os.sep}" in code.co_filename
     closed_loop = unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
     if closed_loop or from_orbax:
-        if log:
-            data.append(log, format_traceback(unraisable.exc_value))
+        if detail:
+            detail.add(format_traceback(unraisable.exc_value))
     else:
         default(unraisable)
 
@@ -252,6 +274,20 @@ def _unreadable(step_dir: str, what: str, e: Exception) -> Exception:
     return CorruptCheckpoint(f"{what} unreadable: {_cause(e)}")
 
 
+def _blocking(method):
+    """A Checkpoints method whose seconds the caller waits add to its blocked_s."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.blocked_s += time.perf_counter() - began
+
+    return timed
+
+
 class Checkpoints:
     """The checkpoints of one run directory (local, on a gcsfuse mount or gs://): asynchronous saves,
     validated restores, retention.
@@ -268,6 +304,7 @@ class Checkpoints:
                 f"--keep_last {keep_last}: keep at least 2 checkpoints; the newest may be mid-write"
             )
         self.saving, self.run_dir = None, _absolute(run_dir)
+        self.blocked_s = 0.0  # seconds save() and close() kept the caller waiting: the goodput's checkpoint
         self.before_save = lambda: None  # train.py's: MetricsLog.flush, the metrics rows held back
         self.dir = data.join(self.run_dir, "checkpoints")
         self.quarantine = data.join(self.run_dir, "quarantined")
@@ -316,13 +353,14 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    @_blocking
     def save(self, step: int, model, train=None, meta: dict | None = None) -> None:
         """Start an asynchronous save; the write goes on in the background. A failure raises
         CheckpointError at the next check(), wait() or close()."""
         if self.read_only:  # Orbax's read-only manager would skip the save without a word
             raise CheckpointError(f"saving checkpoint {step}: {self.dir} is read-only ({self.cannot_write})")
         self.before_save()
-        if step in self.manager.all_steps():  # e.g. a preemption save right after a periodic one
+        if step == self.saving or step in self.manager.all_steps():  # a preemption's, after a periodic one
             return
         self.wait()  # one save at a time, and the previous one's failure first
         items = {"model": eqx.filter(model, is_array)}
@@ -398,6 +436,7 @@ class Checkpoints:
                 return
             time.sleep(0.05)
 
+    @_blocking
     def close(self, failing: bool = False) -> None:
         """Finish the background save and let go of the directory. `failing`: the run is already stopping
         on another error, which goes on; a failed save is then reported as a line, not raised over it."""
@@ -431,7 +470,10 @@ class Checkpoints:
         meta = self.read_meta(step)
         stored = [k for k in ("model", "train") if k in meta.get("checksums", {})]
         wanted = {"model": model_like, "train": train_like}
-        metadata = self.manager.item_metadata(step)
+        try:  # the arrays' metadata: read through TensorStore, as the arrays are
+            metadata = self.manager.item_metadata(step)
+        except Exception as e:
+            raise _unreadable(data.join(self.dir, str(step)), "array metadata", e) from e
         abstract = {}
         for k in stored:
             like = wanted[k]
@@ -629,27 +671,35 @@ def restore_quarantined(run_dir, step: int | None = None) -> list[tuple[str, str
 
 
 def list_checkpoints(run_dir) -> list[dict]:
-    """Every committed checkpoint of a run with its size, time and whether it reads back intact; reads only."""
+    """Every committed checkpoint of a run with its size, time and whether it reads back intact (valid: True,
+    False, or None for one removed while it was read); reads only."""
     ckpts = Checkpoints(run_dir, read_only=True)
     rows = []
     try:
         for step in ckpts.steps():
-            row = dict(
-                step=step,
-                size=data.tree_size(data.join(ckpts.dir, str(step))),
-                time=None,
-                valid=True,
-                problem="",
-            )
+            step_dir = data.join(ckpts.dir, str(step))
+            row = dict(step=step, size=data.tree_size(step_dir), time=None, valid=True, problem="")
             try:
                 _, _, meta = ckpts.read(step)
                 row["time"] = meta.get("time")
-            except CorruptCheckpoint as e:
-                row.update(valid=False, problem=str(e))
+            except Exception as e:  # a removal fails a read anywhere in it, with any error
+                if not isinstance(e, data.StorageUnavailable) and _removed_while_read(step_dir, row["size"]):
+                    row.update(valid=None, problem="removed while listed")
+                elif isinstance(e, CorruptCheckpoint):
+                    row.update(valid=False, problem=str(e))
+                else:
+                    raise
             rows.append(row)
     finally:
         ckpts.close()
     return rows
+
+
+def _removed_while_read(step_dir: str, size: int) -> bool:
+    """Whether a committed checkpoint that failed to read was being removed meanwhile (by the retention of
+    the run that is saving newer ones): its commit marker gone, or its files no longer the `size` bytes they
+    were before the read. A committed checkpoint's files never change otherwise; a damaged one stays."""
+    return not data.exists(data.join(step_dir, COMMIT_MARKER)) or data.tree_size(step_dir) != size
 
 
 def check_run_start(run_dir, step: int | None, cfg: Olmo3Config, as_run, weights_only: bool) -> None:
@@ -1209,6 +1259,14 @@ def _hf_file_bodies(model: Olmo3, dtype: str, shard_bytes: int, extra: dict[str,
     yield "config.json", json.dumps(config_to_hf(cfg, dtype), indent=2)
 
 
+# The files an export writes (_hf_file_bodies): a directory of these alone without config.json, which comes
+# last, is an export cut short, which save_hf writes again; any other file is another's, never overwritten.
+HF_EXPORT_FILE = re.compile(
+    r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|generation_config\.json"
+    r"|tokenizer(_config)?\.json"
+)
+
+
 def save_hf(
     model: Olmo3,
     path,
@@ -1221,15 +1279,17 @@ def save_hf(
     to cfg.vocab_size, safetensors shards of about `shard_bytes` with an index when there are several, and
     `extra` files (name -> text: the tokenizer's). A local one is written beside `path` and renamed once
     complete; in a bucket, config.json comes last. A failed write (a full disk) leaves nothing, and says so in
-    one line."""
+    one line; one cut short where nothing could be removed (a bucket cut off) is written again by the next.
+    A directory holding anything else is refused."""
     from safetensors import SafetensorError
 
     out = str(path).rstrip("/")
     data.check_writable(out, "writing")
-    if data.is_dir(out) and data.listing(out):
+    left = data.listing(out) if data.is_dir(out) else []
+    if "config.json" in left or not all(map(HF_EXPORT_FILE.fullmatch, left)):
         raise FileExistsError(f"{out} exists and is not empty; choose a new output directory")
     folder = out if data.is_url(out) else f"{out}.tmp"
-    data.remove_tree(folder)
+    data.remove_tree(folder)  # in a bucket, an export cut short (an outage): written again
     try:
         for name, body in _hf_file_bodies(model, dtype, shard_bytes, extra or {}):
             data.write_file(data.join(folder, name), body)
@@ -1237,8 +1297,7 @@ def save_hf(
         data.remove_tree(folder)
         raise OSError(f"writing {out} failed ({e}); nothing is left there") from e
     if not data.is_url(out):
-        if os.path.isdir(out):
-            os.rmdir(out)
+        data.remove_tree(out)  # an empty directory, or an export cut short, once the new one is whole
         os.replace(folder, out)
     return out
 
@@ -1710,6 +1769,8 @@ class RunLock:
     directory no one can write to (a read-only mount, or a bucket this account may only read: 403) needs no
     lock: reading it is safe, and whatever would write there is refused then, in one line."""
 
+    held_here: list["RunLock"] = []  # the locks this process holds (release_all)
+
     def __init__(self, run_dir):
         self.run_dir = _absolute(run_dir)
         self.path, self.remote = data.join(self.run_dir, "lock"), data.is_url(self.run_dir)
@@ -1743,13 +1804,40 @@ class RunLock:
             )
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, error, tb):
+        """Released. While an error stops the process, it stays the one named: a release that fails too is an
+        `also:` line. And where that error is the storage giving up, the release is tried once, without the
+        patience, which was just spent: the stop takes one patience, not two (a lock left so is taken over by
+        the next start: at once on this host, on another once its lease is past)."""
+        if error is None:
+            self.release()
+            return
+        try:
+            with data.tried_once() if data.transient_answer(error) else contextlib.nullcontext():
+                self.release()
+        except Exception as e:
+            print(
+                f"also: {self.path} not released ({data.transient_answer(e) or e}); the next start takes it over",
+                file=sys.stderr,
+            )
+
+    def release(self) -> None:
+        """Stop renewing the lock, and remove it if it is still ours (not taken over)."""
         if self.renewer is not None:  # stopped, and its renewal in flight finished: the generation is final
             self.renewing.set()
             self.renewer.join()
         if self.held and self._read()[0] == self.held:  # still ours: not taken over
             data.remove(self.path, self.generation if self.remote else None)
         self.held = None
+        if self in RunLock.held_here:
+            RunLock.held_here.remove(self)
+
+    @classmethod
+    def release_all(cls) -> None:
+        """Release every lock this process holds: for a process about to end at once (os._exit), whose
+        main thread, the one in the `with`, cannot (StepWatchdog, Preemption's backstop)."""
+        for lock in list(cls.held_here):
+            lock.release()
 
     def _read(self) -> tuple[dict | None, int | None]:
         """The lock's holder (None: no lock, or one cut short) and, on gs://, the generation it was read at."""
@@ -1783,6 +1871,7 @@ class RunLock:
                 return
             if taken:
                 self.held = me
+                RunLock.held_here.append(self)
                 if self.remote:
                     self.renewer = threading.Thread(target=self._renew_until_released, daemon=True)
                     self.renewer.start()
@@ -1887,6 +1976,27 @@ def _start_time(pid: int) -> str | None:
             return None
 
 
+@contextlib.contextmanager
+def none_left_if_stopped(run_dir):
+    """A start that stops before it writes a file (e.g. a damaged --init_from step, found only as it is read,
+    under the lock) leaves no run directory: the folders this start made for it, locally, are removed once
+    the lock is released, those of them that are still empty, by process 0 (the lock's taker). A folder that
+    was there before is kept, and so is any holding a file. (A bucket has no folders: its run directory is
+    gone with its last object.)"""
+    made = None if data.is_url(run_dir) or jax.process_index() else _absolute(run_dir)
+    while made and not os.path.exists(os.path.dirname(made)):  # the highest folder this start makes
+        made = os.path.dirname(made)
+    if made and os.path.exists(made):
+        made = None
+    try:
+        yield
+    except BaseException:
+        for folder, _, _ in os.walk(made, topdown=False) if made else ():  # the deepest first
+            if not os.listdir(folder):
+                os.rmdir(folder)
+        raise
+
+
 def write_run_files(run_dir: str, config: dict, tokenizer: str, tokenizer_path: str | None) -> None:
     """A run was accepted: its config is the run directory's now, and so is the tiny tokenizer, if the run
     has one (token files made elsewhere may come without it), which `ckpt.py to-hf` ships with the weights."""
@@ -1930,6 +2040,35 @@ def autotuned_gemms(run_dir, device, compile_step, say=print) -> None:
             data.write_file(kept, data.read_bytes(local))
 
 
+def recorded_fit(run_dir, made_for: dict, search, say=print) -> tuple[int, str]:
+    """The fit search's choice, (microbatches, remat policy), as RUN_DIR/fit.json records it where it was made
+    for `made_for` (the devices, the compiler and the flags it depends on); else `search()`'s, recorded there
+    (by process 0) over any record made for something else, which is said with what changed."""
+    path = data.join(run_dir, "fit.json")
+    made_for = json.loads(json.dumps(made_for))  # as the file holds it: tuples as lists
+    try:
+        record = json.loads(data.read_text(path)) if data.exists(path) else None
+    except json.JSONDecodeError as e:  # edited by hand: a choice not to be trusted
+        say(f"fit: {path} is not JSON ({e}); searching again")
+        record = None
+    if record is not None and record.get("made_for") == made_for:
+        n_micro, remat = record["n_micro"], record["remat"]
+        say(f"fit: {n_micro} microbatch(es), remat {remat}, as {path} records for these devices and flags")
+        return n_micro, remat
+    if record is not None:
+        was = record.get("made_for", {})
+        changed = ", ".join(k for k in sorted(made_for.keys() | was.keys()) if made_for.get(k) != was.get(k))
+        say(f"fit: {path} was made for other {changed}; searching again")
+    n_micro, remat = search()
+    if jax.process_index() == 0:
+        chosen = dict(n_micro=n_micro, remat=remat, made_for=made_for)
+        try:
+            data.write_file(path, json.dumps(chosen, indent=2))
+        except OSError as e:
+            raise _unwritable(run_dir, e) from e
+    return n_micro, remat
+
+
 def log_error(run_dir, what: str, e: BaseException) -> None:
     """Append the full story of error `e` (its traceback, causes included) to RUN_DIR/log.txt, under `what`
     and the time: the one-line message a user sees summarises it. Process 0 writes; a log that cannot be
@@ -1966,36 +2105,156 @@ def errors_logged(run_dir, unless: tuple = ()):
         yield
     except Exception as e:
         quiet = (RunDirError, data.StorageUnavailable, *unless)
-        if not isinstance(e, quiet) and data.exists(data.join(run_dir, "config.json")):
-            log_error(run_dir, "the run stopped", e)
+        try:
+            if not isinstance(e, quiet) and data.exists(data.join(run_dir, "config.json")):
+                log_error(run_dir, "the run stopped", e)
+        except Exception as failed:  # looking for config.json: said, never raised over the error reported
+            print(f"also: {failed}", file=sys.stderr)
         raise
 
 
+class Preempted(BaseException):
+    """A preemption ends the run here (Preemption says where). A BaseException, as KeyboardInterrupt: no
+    `except Exception` takes it for a failure (a checkpoint being read is not set aside for it, nor is it
+    logged as the run's error)."""
+
+
+# Before the first step, how long a signal waits for the main thread to run its handler before the process
+# ends without it: far longer than any pause between two lines of Python, far shorter than XLA's compile of a
+# large model (minutes in C++, where Python runs no handler) or the 30 s a preemptible VM is given.
+BACKSTOP_S = 3.0
+
+
 class Preemption:
-    """SIGTERM or SIGINT asks for a save at the next step boundary and an exit 0; a second one exits at once
-    (a checkpoint counts only once Orbax has written its commit marker, so the last committed one is never
-    harmed). With several processes,
-    JAX's preemption service tells every process the same step instead (a Python handler here would
-    silently disable it). Installed before restoring and compiling, which take minutes at scale."""
+    """What a SIGTERM or SIGINT (a preemption, Ctrl-C) stops, and how soon; each way exits 0. A second signal
+    exits at once, 128 + its number (a checkpoint counts only once Orbax has written its commit marker, so the
+    last committed one is never harmed).
+
+    - Before the first step (restore, fit search, compile, the first batch): at once. The handler raises
+      Preempted, which releases the lock on its way out; nothing a later start needs is half-written then
+      (files are written beside and renamed, objects whole). Where the main thread runs no Python (XLA
+      compiling), a thread ends the process after BACKSTOP_S instead, the lock released first.
+    - In a step: the loop saves it at its boundary (requested) and exits.
+    - In an evaluation: at its next batch (between_batches raises Preempted); the loop saves the step, and the
+      next start runs the evaluation first.
+    - During a save: the save completes, then the loop exits at its next wait for data.
+    - In a wait for data (waiting): at once; the loop saves the newest step done, if not saved yet.
+
+    With several processes, JAX's preemption service takes the signal (a Python handler would silently turn
+    it off) and agrees a sync point with every process: a count of the calls to `reached`, which every
+    process makes in the same order (each step boundary, each evaluation batch). So all stop at the same step
+    boundary or evaluation batch. A start, a compile or a wait for data is not cut short there: the run stops
+    at the first step boundary or evaluation batch after it."""
+
+    installed: "Preemption | None" = None  # the one in force: signals are the process's
 
     def __enter__(self):
-        self.signals, self.before = 0, {}
+        self.signals, self.calls, self.started, self.in_wait = 0, 0, False, False
+        self.before, self.watcher, self.heard = {}, None, threading.Event()
         if jax.process_count() == 1:
             self.before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            self._watch_the_start()
+        Preemption.installed = self
         return self
 
     def __exit__(self, *exc):
+        Preemption.installed = None
         for s, handler in self.before.items():  # the caller's handlers again (a test, a notebook)
             signal.signal(s, handler)
+        if self.watcher is not None:
+            signal.set_wakeup_fd(self.wakeup_before)
+            os.write(self.wake[1], b"\0")  # the watcher's end
+            self.watcher.join()
+            for fd in self.wake:
+                os.close(fd)
 
     def on_signal(self, signum, frame):
         self.signals += 1
+        self.heard.set()
         if self.signals > 1:
             os._exit(128 + signum)
-        print(f"\nsignal {signum}: saving at the next step boundary, then exiting", flush=True)
+        if not self.started:
+            print(f"\nsignal {signum}: exiting before the first step, nothing to save", flush=True)
+            raise Preempted(signum)
+        if self.in_wait:
+            print(
+                f"\nsignal {signum}: in a wait for data; saving the newest step done, then exiting",
+                flush=True,
+            )
+            raise Preempted(signum)
+        print(
+            f"\nsignal {signum}: saving at the next step boundary (or evaluation batch), then exiting",
+            flush=True,
+        )
 
-    def requested(self, step: int, checkpoints: "Checkpoints") -> bool:
-        return self.signals > 0 or (jax.process_count() > 1 and checkpoints.manager.reached_preemption(step))
+    def requested(self) -> bool:
+        """At a step boundary, every step: whether to save the step and exit. The first ends the start."""
+        self.started = True
+        return self.reached()
+
+    def reached(self) -> bool:
+        """Whether a preemption stops the run at this call: one at each step boundary and each evaluation
+        batch, on every process in the same order (the sync point JAX's preemption service agrees is a count
+        of these calls)."""
+        self.calls += 1
+        if self.signals or jax.process_count() == 1:
+            return self.signals > 0
+        from jax.experimental import multihost_utils
+
+        try:
+            return multihost_utils.reached_preemption_sync_point(self.calls)
+        except RuntimeError:  # JAX's preemption service turned off (jax_enable_preemption_service)
+            return False
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """A wait for data, which a signal ends at once (Preempted; one that came before, on entry)."""
+        self.in_wait = True
+        try:
+            if self.signals:
+                raise Preempted
+            yield
+        finally:
+            self.in_wait = False
+
+    def _watch_the_start(self) -> None:
+        """Python runs a signal's handler in the main thread, between two bytecodes: not during XLA's compile,
+        which releases the GIL but holds the main thread for minutes at scale. Python's C handler also writes
+        the signal's number to the wakeup fd from whichever thread took it, so a thread reading it learns of
+        the signal at once."""
+        self.wake = os.pipe()
+        os.set_blocking(self.wake[1], False)  # as set_wakeup_fd requires
+        self.wakeup_before = signal.set_wakeup_fd(self.wake[1], warn_on_full_buffer=False)
+        self.watcher = threading.Thread(
+            target=self._end_a_stuck_start, name="preemption watcher", daemon=True
+        )
+        self.watcher.start()
+
+    def _end_a_stuck_start(self) -> None:
+        """Before the first step, a signal whose handler has not run within BACKSTOP_S (the main thread is in
+        a compile, or another call that runs no Python and writes no file of the run) ends the process here:
+        the lock released, exit 0."""
+        while (got := os.read(self.wake[0], 1)) != b"\0":
+            if got[0] not in (signal.SIGTERM, signal.SIGINT) or self.started or self.heard.wait(BACKSTOP_S):
+                continue
+            print(
+                f"\nsignal {got[0]}: exiting before the first step (it compiles), nothing to save", flush=True
+            )
+            RunLock.release_all()
+            os._exit(0)
+
+
+def between_batches() -> None:
+    """Between two batches of an evaluation: raise Preempted where a preemption stops the run here (every
+    process calls it at the same batches: Preemption.reached). Outside a run (a benchmark), nothing."""
+    if Preemption.installed is not None and Preemption.installed.reached():
+        raise Preempted
+
+
+def waiting_for_data():
+    """The context a wait for a batch runs in (data.Prefetcher): where a run is under way, one that a signal
+    ends at once (Preemption.waiting)."""
+    return contextlib.nullcontext() if Preemption.installed is None else Preemption.installed.waiting()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -2080,26 +2339,27 @@ class MetricsLog:
     takes about one write a second to an object), before each checkpoint (flush, which train.py's save calls)
     and at close. A kill -9 so loses only rows past the newest checkpoint, which the resume takes again, and
     rewind drops the rows stored past it: after kills and resumes the file holds one row per step, as a local
-    one does."""
+    one does. A run's `goodput` (Goodput) is stored at close, and its account is W&B's run summary."""
 
-    def __init__(self, run_dir, lead: bool, tensorboard: bool, wandb: WandbRun | None = None):
+    def __init__(self, run_dir, lead: bool, tensorboard: bool, wandb: WandbRun | None = None, goodput=None):
         self.run_dir, self.lead = _absolute(run_dir), lead
         self.path = data.join(self.run_dir, "metrics.jsonl")
-        self.tensorboard, self.wandb = tensorboard, wandb
+        self.tensorboard, self.wandb, self.goodput = tensorboard, wandb, goodput
         self.file = self.tb = self.wb = None
         self.opened, self.pending, self.flushed = False, [], time.monotonic()
         self.wb_held = -1  # the last step the W&B run holds
 
-    def rewind(self, step: int) -> None:
+    def rewind(self, step: int) -> int:
         """Drop the rows past `step` (the steps about to be taken again): atomically, the old file kept until
-        the new one is complete. A torn last line goes too."""
+        the new one is complete. A torn last line goes too. Returns how many train rows went: the steps
+        earlier starts took past `step` (the goodput's retaken; 0 on the other processes)."""
         if not self.lead:
-            return
+            return 0
         for part in data.objects(f"{self.path}.part-") if data.is_url(self.path) else ():
             data.remove(part)  # an upload a kill left before it was composed: rows past the checkpoint
         if not data.exists(self.path):
-            return
-        rows, text = [], data.read_text(self.path)
+            return 0
+        rows, text, dropped = [], data.read_text(self.path), 0
         for line in text.splitlines():
             try:
                 row = json.loads(line)
@@ -2107,12 +2367,27 @@ class MetricsLog:
                 continue
             if row["step"] <= step:
                 rows.append(line + "\n")
+            else:
+                dropped += "loss" in row
         if "".join(rows) == text:  # nothing to drop: a finished run on a read-only mount writes nothing
-            return
+            return 0
         try:
             data.write_file(self.path, "".join(rows))
         except OSError as e:
             raise _unwritable(self.run_dir, e) from e
+        return dropped
+
+    def evaluated(self, step: int) -> bool:
+        """Whether the file holds the run's evaluation row of step `step` (an --eval_only row is not the
+        run's). Process 0 reads it; False on the others."""
+        if not self.lead or not data.exists(self.path):
+            return False
+        for line in data.read_text(self.path).splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
+                row = json.loads(line)
+                if row["step"] == step and "eval_only" not in row and any(k.startswith("eval/") for k in row):
+                    return True
+        return False
 
     def open(self) -> None:
         """Open what the rows go to: at the first row, or before (a run about to train opens it before its
@@ -2197,11 +2472,233 @@ class MetricsLog:
     def close(self) -> None:
         if self.lead:
             self.flush()
+        if self.goodput is not None:  # the start's record as of its end; W&B's summary: the run's account
+            self.goodput.refresh()
+            if self.wb is not None and self.goodput.stored is not None:
+                self.wb.summary.update(goodput_scalars(goodput_account(self.goodput.records())))
         for f in (self.file, self.tb):
             if f is not None:
                 f.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+# The goodput account: where a run's wall time went, start by start, from the run directory alone
+# (RUN_DIR/goodput.jsonl, `ckpt.py goodput`).
+
+# What a start times itself, each as `<cause>_s` in its record: from the process's start to its run directory
+# opened (imports, devices, the data's plan, the lock); the restore (or init); compiling, before step 1 (the
+# fit search, GEMM tuning) and in the first step beyond a typical step's time; the waits for batches; the
+# evaluations; the time checkpoint saves kept the loop waiting.
+TIMED = ("start", "restore", "compile", "data_wait", "evaluation", "checkpoint")
+# The account's badput: those, the seconds of steps trained again after a failure, the downtime from a start's
+# last record to the next start's process start, and the rest (the run's files, W&B's start, the plots, ...).
+BADPUT = (*TIMED, "retaken", "down", "other")
+GOODPUT_FLUSH_S = METRICS_FLUSH_S  # a start's record is stored at most this often (and at each checkpoint)
+IMPORTED_AT = time.time()  # process_start's answer where /proc cannot say
+
+
+def process_start() -> float:
+    """When this process started, on time.time()'s clock: Linux's /proc/self/stat start time (clock ticks
+    since boot) against the boot-time clock, to 10 ms; elsewhere, when ckpt.py was imported."""
+    ticks = _start_time(os.getpid())
+    if ticks is None or not ticks.isdigit() or not hasattr(time, "CLOCK_BOOTTIME"):
+        return IMPORTED_AT
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - int(ticks) / os.sysconf("SC_CLK_TCK"))
+
+
+class Goodput:
+    """This start's account: its seconds by cause (TIMED), the step it resumed from and the train rows of
+    earlier starts it dropped past it, its steps and their seconds. Stored in RUN_DIR/goodput.jsonl, one line
+    per start that trains: the file is written whole with this start's line in place of its last (readers see
+    it before or after, never torn; on gs:// one small object), so a kill -9 leaves it as of the last store:
+    before step 1 (restore, compile), at the first step, at each checkpoint, every GOODPUT_FLUSH_S, at the
+    end. Only process 0 writes (`writes`). train.py feeds it: made as the run directory opens (the start ends),
+    restored() once the restore is done (compiling begins), the first store() as set_up ends, stepped() with
+    each step's numbers, timed() around each evaluation; Checkpoints counts its own blocking."""
+
+    def __init__(self, run_dir, writes: bool, checkpoints: Checkpoints):
+        self.run_dir, self.writes, self.checkpoints = _absolute(run_dir), writes, checkpoints
+        self.path = data.join(self.run_dir, "goodput.jsonl")
+        self.earlier = goodput_records(self.path) if writes and data.exists(self.path) else []
+        # One writer at a time (the lock): a start began no earlier than the previous one's last record (a
+        # second run in one process, as tests run train.py, began there).
+        began = max([process_start(), *(r["at"] for r in self.earlier)])
+        self.record = dict(id=os.urandom(6).hex(), began=began, restored=0, dropped=0, last_step=0, steps=0)
+        self.seconds = dict.fromkeys(TIMED, 0.0) | dict(start=time.time() - began)
+        self.phase_began, self.timed_s = time.perf_counter(), 0.0  # the phase under way, what timed() took
+        self.waits_s = self.trained_s = self.first_step_s = 0.0
+        self.stored = None  # time.monotonic() of the last store; None: this start has not stored
+
+    @contextlib.contextmanager
+    def timed(self, cause: str):
+        """The seconds inside are `cause`'s (and not the phase's under way)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - began
+            self.seconds[cause] += spent
+            self.timed_s += spent
+
+    def _phase_ends(self, cause: str) -> None:
+        """The phase under way ends: its seconds, less those timed() took in it, are `cause`'s."""
+        now = time.perf_counter()
+        self.seconds[cause] += now - self.phase_began - self.timed_s
+        self.phase_began, self.timed_s = now, 0.0
+
+    def restored(self, step: int, dropped: int) -> None:
+        """The restore is done: the run resumes after `step` (0: a first start), having dropped `dropped`
+        train rows of earlier starts past it from metrics.jsonl (MetricsLog.rewind). Compiling begins."""
+        self._phase_ends("restore")
+        self.record |= dict(restored=step, dropped=dropped, last_step=step)
+
+    def stepped(self, step: int, clock: float, wait: float) -> None:
+        """Step `step`'s numbers arrived, `clock` seconds into the loop's training time (Progress.clock:
+        saves and evaluations left out), `wait` of them spent waiting for its batch."""
+        self.waits_s += wait
+        self.trained_s = clock - self.waits_s
+        self.record |= dict(steps=self.record["steps"] + 1, last_step=step)
+        if self.record["steps"] == 1:
+            self.first_step_s = self.trained_s
+        due = self.stored is None or time.monotonic() - self.stored >= GOODPUT_FLUSH_S
+        if due or self.record["steps"] == 1:
+            self.store()
+
+    def store(self) -> None:
+        """This start's line, as of now, into goodput.jsonl; the first store ends the compile phase."""
+        if self.stored is None:
+            self._phase_ends("compile")
+        self.stored = time.monotonic()
+        if not self.writes:
+            return
+        try:
+            data.write_file(self.path, "".join(json.dumps(r) + "\n" for r in self.records()))
+        except OSError as e:
+            raise _unwritable(self.run_dir, e) from e
+
+    def refresh(self) -> None:
+        """Store again, if this start stores at all (it trains)."""
+        if self.stored is not None:
+            self.store()
+
+    def records(self) -> list[dict]:
+        """The earlier starts' records and this start's, as of now."""
+        n = self.record["steps"]
+        typical = (self.trained_s - self.first_step_s) / (n - 1) if n > 1 else 0.0
+        compiling = max(0.0, self.first_step_s - typical)  # the first step's compile (all of it, alone)
+        seconds = self.seconds | dict(data_wait=self.waits_s, checkpoint=self.checkpoints.blocked_s)
+        seconds["compile"] += compiling
+        own = self.record | dict(at=time.time(), steps_s=self.trained_s - compiling)
+        return [*self.earlier, own | {f"{cause}_s": s for cause, s in seconds.items()}]
+
+
+def goodput_records(path) -> list[dict]:
+    """Each start's last line in a goodput.jsonl, in the order the starts began (a line that is not JSON, which
+    no run writes, is passed over)."""
+    if not data.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: a run writes it at each start that trains")
+    last = {}
+    for line in data.read_text(path).splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            last[record["id"]] = record
+    return sorted(last.values(), key=lambda r: r["began"])
+
+
+def goodput_account(records: list[dict]) -> dict:
+    """Where a run's wall time went, from its starts' records (goodput_records): the wall time from the first
+    start's process start to the last record; the seconds of the steps kept, `goodput` their share of it; the
+    seconds of each cause of badput (BADPUT), which with the kept ones sum to the wall time; the steps kept
+    and retaken; and `starts`, each start's own, over its span: from the previous start's last record (its
+    `down` first) to its own last record."""
+    starts = [_span(record, before) for before, record in zip([None, *records], records)]
+    _retaken(records, starts)
+    wall, kept = (sum(s[key] for s in starts) for key in ("wall_s", "kept_s"))
+    return dict(
+        wall_s=wall,
+        goodput=kept / wall if wall else 0.0,
+        kept_s=kept,
+        badput_s={cause: sum(s[f"{cause}_s"] for s in starts) for cause in BADPUT},
+        steps_kept=sum(s["steps_kept"] for s in starts),
+        steps_retaken=sum(s["steps_retaken"] for s in starts),
+        starts=starts,
+    )
+
+
+def _span(record: dict, before: dict | None) -> dict:
+    """A start's span: `down` since the previous start's last record, then its own seconds by cause, its
+    steps' (all kept, until _retaken says otherwise) and the rest."""
+    down = record["began"] - before["at"] if before else 0.0
+    own = {f"{cause}_s": record[f"{cause}_s"] for cause in TIMED}
+    other = record["at"] - record["began"] - sum(own.values()) - record["steps_s"]
+    return dict(
+        id=record["id"],
+        began=record["began"],
+        ended=record["at"],
+        restored=record["restored"],
+        last_step=record["last_step"],
+        wall_s=down + record["at"] - record["began"],
+        kept_s=record["steps_s"],
+        **own,
+        retaken_s=0.0,
+        down_s=down,
+        other_s=other,
+        steps_kept=record["steps"],
+        steps_retaken=0,
+    )
+
+
+def _retaken(records: list[dict], starts: list[dict]) -> None:
+    """The steps trained again, their seconds moved from kept to retaken. A start's steps past the lowest
+    step a later start resumed from were trained again. Those it took after its last record (before a kill)
+    the next start counted, as the rows it dropped (restored + dropped: the last step the run directory
+    holds); their seconds, at the start's mean step time, come out of the next start's `down`."""
+    steps = sum(r["steps"] for r in records)
+    mean_of_run = sum(r["steps_s"] for r in records) / steps if steps else 0.0
+    resumed = math.inf  # the lowest step a later start resumed from
+    for i in reversed(range(len(records))):
+        record, span, after = records[i], starts[i], records[i + 1] if i + 1 < len(records) else None
+        mean = record["steps_s"] / record["steps"] if record["steps"] else mean_of_run
+        found = after["restored"] + after["dropped"] if after and after["dropped"] else 0  # by the next start
+        last = max(record["last_step"], found)
+        resumed = min(resumed, after["restored"] if after else math.inf)
+        lost = max(0, last - max(record["restored"], resumed))
+        recorded = min(lost, max(0, record["last_step"] - max(record["restored"], resumed)))
+        span["kept_s"] -= recorded * mean
+        span["retaken_s"] += recorded * mean
+        span["steps_kept"], span["steps_retaken"] = last - record["restored"] - lost, lost
+        if after:
+            moved = min(starts[i + 1]["down_s"], (lost - recorded) * mean)
+            starts[i + 1]["down_s"] -= moved
+            starts[i + 1]["retaken_s"] += moved
+
+
+def goodput_scalars(account: dict) -> dict:
+    """An account as W&B's scalars: goodput/fraction, goodput/wall_s, goodput/steps_retaken and
+    goodput/badput_<cause>_s."""
+    out = {"goodput/fraction": account["goodput"], "goodput/wall_s": account["wall_s"]}
+    out["goodput/steps_retaken"] = account["steps_retaken"]
+    return out | {f"goodput/badput_{cause}_s": s for cause, s in account["badput_s"].items()}
+
+
+def goodput_table(account: dict) -> str:
+    """An account as `ckpt.py goodput` prints it: a line per start (when it began, its seconds by cause, its
+    steps kept and retaken), the totals, and the goodput."""
+    widths = {c: max(len(c), 6) for c in ("wall", "kept", *BADPUT)}
+    lines = [
+        f"{'start':>5} {'began':<14}" + "".join(f" {c:>{w}}" for c, w in widths.items()) + " kept/retaken"
+    ]
+    total = dict(account, began=None, **{f"{c}_s": account["badput_s"][c] for c in BADPUT})
+    for name, s in [*((str(i), s) for i, s in enumerate(account["starts"], 1)), ("all", total)]:
+        began = time.strftime("%m-%d %H:%M:%S", time.localtime(s["began"])) if s["began"] else ""
+        cells = "".join(f" {s[f'{c}_s']:>{w}.1f}" for c, w in widths.items())
+        lines.append(f"{name:>5} {began:<14}{cells} {s['steps_kept']}/{s['steps_retaken']}")
+    lines.append(
+        f"goodput {account['goodput']:.1%}: {account['kept_s']:.1f} s of steps kept in "
+        f"{account['wall_s']:.1f} s of wall time (seconds; {account['steps_retaken']} steps trained again)"
+    )
+    return "\n".join(lines)
 
 
 def _pyplot():
@@ -2277,9 +2774,30 @@ def plot_downstream(run_dir) -> list[str]:
     return [ax.get_title() for ax in axes.flat[: len(firsts)]]
 
 
+def plot_goodput(run_dir, account: dict) -> list[str]:
+    """RUN_DIR/goodput.png: a bar per start, its span's seconds stacked by cause (the steps kept first), the
+    run's goodput in the title. Returns the causes drawn (those with any seconds)."""
+    plt, starts = _pyplot(), account["starts"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x, bottom, drawn = range(1, len(starts) + 1), [0.0] * len(starts), []
+    for cause in ("kept", *BADPUT):
+        heights = [s[f"{cause}_s"] for s in starts]
+        if any(h > 0 for h in heights):
+            ax.bar(x, heights, bottom=bottom, label=cause)
+            bottom, drawn = [b + h for b, h in zip(bottom, heights)], [*drawn, cause]
+    title = f"{_name(run_dir)}: goodput {account['goodput']:.1%} of {account['wall_s']:,.0f} s"
+    ax.set(xlabel="start", ylabel="seconds", title=title, xticks=list(x))
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1, 1))
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    _save_figure(fig, data.join(run_dir, "goodput.png"), dpi=120)
+    plt.close(fig)
+    return drawn
+
+
 # ---------------------------------------------------------------------------------------------------------
-# The loop's instruments: the progress bar with its tokens/s, and the profiler (--profile). They time and trace
-# the steps; only the trace is left on disk.
+# The loop's instruments: the progress bar with its tokens/s, the step watchdog (--step_timeout) and the
+# profiler (--profile). They time and trace the steps; only the trace (and a hang's stacks) is left on disk.
 
 
 class Progress:
@@ -2288,9 +2806,11 @@ class Progress:
     evaluates (pause, resume), so that no step's rate counts those; waiting for data does count. The first
     step (after a start or a resume, so with the compilation) is timed alone, and later windows start after
     it. Times are taken where the loop reads a step's numbers, one step behind the dispatch: over a window,
-    the steps' times add up to the time the window took."""
+    the steps' times add up to the time the window took. A `watchdog` (StepWatchdog) keeps the same time:
+    each step's numbers beat it, and it stops while the run saves or evaluates."""
 
-    def __init__(self, start: int, steps: int, tokens_per_step: int):
+    def __init__(self, start: int, steps: int, tokens_per_step: int, watchdog: "StepWatchdog | None" = None):
+        self.watchdog = watchdog
         lead = jax.process_index() == 0
         self.bar = tqdm(total=steps, initial=start, disable=not lead, unit="step", dynamic_ncols=True)
         self.tokens_per_step, self.rate = tokens_per_step, 0.0
@@ -2303,6 +2823,8 @@ class Progress:
 
     def tick(self, loss: float) -> float:
         """A step's numbers arrived: move the bar on, showing its loss. Returns tokens/s."""
+        if self.watchdog:
+            self.watchdog.beat()
         self.times.append(self.clock())
         elapsed = max(self.times[-1] - self.times[0], 1e-9)
         self.rate = self.tokens_per_step * (len(self.times) - 1) / elapsed
@@ -2314,9 +2836,134 @@ class Progress:
 
     def pause(self) -> None:
         self.trained, self.since = self.clock(), None
+        if self.watchdog:
+            self.watchdog.pause()
 
     def resume(self) -> None:
         self.since = time.perf_counter()
+        if self.watchdog:
+            self.watchdog.resume()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.watchdog:
+            self.watchdog.close()
+
+
+# --step_timeout's default (train.py), in seconds: longer than the slowest step a real run takes, so that
+# only a hang is taken for one. A step of the 7B recipe (512 x 8192 tokens) on one H200, or of the 32B's on one
+# 8 x H200 host, is about 10 minutes of matmuls at 40% MFU, and the data wait before it may ride out a storage
+# outage for --storage_patience (10 minutes). On a pod, whose step takes seconds, 15 minutes will do.
+STEP_TIMEOUT_S = 1800
+
+HUNG_EXIT = 124  # the exit status of a run the watchdog ended: timeout(1)'s, "out of time, start it again"
+
+LAST_WORDS_S = 120  # the most a hung process spends on its stacks and its lock before it exits regardless
+
+
+class StepWatchdog:
+    """Ends a run in which no step finishes: a collective waiting on a stuck host, a wedged thread. JAX's
+    heartbeats stop a run one of whose processes is gone, not one whose processes are all alive and waiting,
+    and such a pod holds its chips until someone notices.
+
+    A daemon thread watches a clock that restarts when a step's numbers arrive (beat) and stands still while
+    the run saves or evaluates (pause; resume restarts it). It starts at the first beat: restoring, compiling
+    and the first step (which compiles) are not timed. Past `timeout_s` on it, this process writes every
+    thread's stack to stderr and to RUN_DIR/log.txt, releases the run directory's lock if it holds it, and
+    exits HUNG_EXIT from this thread (os._exit: the main thread is the stuck one), for its supervisor to start
+    it again; it resumes from the newest checkpoint. Every process has its own watchdog: a step stuck in one
+    process holds the others in its collectives, each watchdog fires, and the processes exit together once
+    every one has reported."""
+
+    def __init__(self, timeout_s: float, run_dir: str):
+        self.timeout_s, self.log = timeout_s, data.join(run_dir, "log.txt")
+        host, pid = socket.gethostname(), os.getpid()
+        self.process = f"process {jax.process_index()} of {jax.process_count()} ({host}, pid {pid})"
+        self.deadline = None  # on time.monotonic(); None: the clock stands still
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="step watchdog", daemon=True)
+        self.thread.start()
+
+    def beat(self) -> None:
+        """A step's numbers arrived: the next step has `timeout_s`."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def pause(self) -> None:
+        self.deadline = None
+
+    def resume(self) -> None:
+        self.beat()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        # A deadline only moves later or stops: waking at one that has moved is only a look too early.
+        while not self.closed.wait(self._seconds_left()):
+            deadline = self.deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                self._end_the_run()
+
+    def _seconds_left(self) -> float:
+        deadline = self.deadline
+        return self.timeout_s if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+    def _end_the_run(self) -> None:
+        # Whatever the report waits on (a bucket that does not answer, a lock the stuck thread holds) delays
+        # the exit by LAST_WORDS_S at most.
+        backstop = threading.Timer(LAST_WORDS_S, os._exit, (HUNG_EXIT,))
+        backstop.daemon = True
+        backstop.start()
+        said = f"no step finished in {self.timeout_s:g} s (--step_timeout)"
+        self._report(f"{said}: a hang")
+        backstop.cancel()
+        self._wait_for_the_others()
+        print(f"error: {said}; stacks in {self.log}; exiting {HUNG_EXIT} to be restarted", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(HUNG_EXIT)
+
+    def _report(self, what: str) -> None:
+        """Every thread's stack to stderr and log.txt, and the run directory's lock released (first: the
+        restart this exit is for may come before a bucket has taken every host's stacks)."""
+        report = (
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.process}: {what}. Every thread's stack, the most "
+            f"recent call last:\n{thread_stacks()}\n"
+        )
+        print(report, file=sys.stderr, flush=True)
+        try:
+            RunLock.release_all()
+        except Exception as e:  # said, never raised over the hang being reported
+            print(f"also: could not release the run directory's lock: {e}", file=sys.stderr, flush=True)
+        try:
+            data.append(self.log, report)
+        except Exception as e:
+            print(f"also: could not write {self.log}: {e}", file=sys.stderr, flush=True)
+
+    def _wait_for_the_others(self) -> None:
+        """With several processes, wait until every one has reported, for `timeout_s` at most: once one
+        process exits, JAX's coordination service stops all the others, where they stand (the stacks of a
+        process still stuck in the collective would be lost). The others' watchdogs fire within a step of
+        this one: their steps end together, in their collectives."""
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None or jax.process_count() == 1:
+            return
+        try:
+            client.wait_at_barrier("olmo3-jax step watchdog", int(self.timeout_s * 1000))
+        except Exception as e:  # a process that never reports (its watchdog thread stuck too)
+            print(f"also: not every process reported within {self.timeout_s:g} s ({e})", file=sys.stderr)
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, under its name, the most recent call last (as a traceback)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    with _FORMATTING:
+        return "\n".join(
+            f"thread {names.get(ident, ident)!r}:\n" + "".join(traceback.format_stack(frame))
+            for ident, frame in sys._current_frames().items()
+        )
 
 
 class Profile:
@@ -2385,13 +3032,31 @@ def main(argv: list[str]) -> int:
     data.set_patience(args.storage_patience)
     shard.quiet_libtpu()
     try:
-        for name in ("run_dir", "run_a", "run_b") + (("out",) if args.command == "average" else ()):
-            if hasattr(args, name):
-                check_run_place(getattr(args, name), name.upper())
+        check_places(args)
         return run_command(args)
+    except data.BadURL as e:  # bad usage, as argparse's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, CorruptCheckpoint, RunDirError, data.StorageUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)  # the message names the path and the fix
         return 1
+
+
+PATH_ARGUMENTS = ("run_dir", "run_a", "run_b", "hf_dir", "out")  # ckpt.py's, in and out
+
+
+def check_places(args) -> None:
+    """Every path a command names, judged before anything is read or written, each refusal naming the argument:
+    a URL the storage layer cannot use faithfully (data.check_url), a run directory Orbax cannot write
+    (check_run_place), then a bucket that does not exist (data.check_bucket)."""
+    paths = {name.upper(): str(getattr(args, name)) for name in vars(args) if name in PATH_ARGUMENTS}
+    for name, path in paths.items():
+        data.check_url(path, name)
+    for name in ("RUN_DIR", "RUN_A", "RUN_B") + (("OUT",) if args.command == "average" else ()):
+        if name in paths:
+            check_run_place(paths[name], name)
+    for name, path in paths.items():
+        data.check_bucket(path, name)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -2435,18 +3100,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--different_steps", action="store_true", help="average newest checkpoints at different steps too"
     )
+    p = add(
+        "goodput",
+        help="where a run's wall time went (RUN_DIR/goodput.jsonl): a table per start, and RUN_DIR/goodput.png",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="print the account as one JSON object (nothing drawn)")
     return parser
 
 
+def goodput_command(run_dir, as_json: bool) -> int:
+    """`ckpt.py goodput RUN_DIR`: the account as a table, drawn into goodput.png; or as one JSON object."""
+    account = goodput_account(goodput_records(data.join(run_dir, "goodput.jsonl")))
+    if as_json:
+        print(json.dumps(account))
+        return 0
+    print(goodput_table(account))
+    plot_goodput(run_dir, account)
+    print(f"drawn: {data.join(run_dir, 'goodput.png')}")
+    return 0
+
+
 def run_command(args) -> int:
+    if args.command == "goodput":
+        return goodput_command(args.run_dir, args.json)
     if args.command == "list":
         rows = list_checkpoints(args.run_dir)
         print(f"{'step':>10}  {'size':>10}  {'saved':<19}  valid")
         for r in rows:
             saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if r["time"] else "?"
-            print(
-                f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {'yes' if r['valid'] else 'NO: ' + r['problem']}"
-            )
+            valid = "yes" if r["valid"] else r["problem"] if r["valid"] is None else "NO: " + r["problem"]
+            print(f"{r['step']:>10}  {r['size'] / 2**20:8.1f}MB  {saved:<19}  {valid}")
         folder = data.join(args.run_dir, "checkpoints")
         unfinished = unfinished_writes(folder)
         if not rows:  # an interrupted first write is not a checkpoint, and not nothing either
@@ -2458,7 +3142,7 @@ def run_command(args) -> int:
             print(
                 f"not committed (no {COMMIT_MARKER}; never read, removed by the next run): {', '.join(unfinished)}"
             )
-        return 0 if all(r["valid"] for r in rows) and not (unfinished and not rows) else 1
+        return 0 if all(r["valid"] is not False for r in rows) and not (unfinished and not rows) else 1
     if args.command == "restore-quarantined":
         for source, target in restore_quarantined(args.run_dir, args.step):
             print(f"moved {source} back to {target}")

@@ -170,6 +170,10 @@ def check_tokens(paths: list[str], vocab_size: int, dtype=None) -> int:
 # the run in one line naming the URL, the last answer and how long it tried. A retried write is safe: writes
 # that must not happen twice go at a generation (create-if-absent, replace, append by compose at the
 # generation read), and one that finds its precondition failed checks whether its own earlier try landed.
+#
+# Every URL a flag or a command's argument names is judged once, where it is taken, before anything is read
+# or written (check_url, check_bucket): one the clients would not all read alike is refused, never stored
+# somewhere else; a bucket that is not there is named as such.
 
 
 URL_SCHEMES = ("gs", "s3", "http", "https")
@@ -225,23 +229,91 @@ def is_url(path) -> bool:
     return "://" in str(path)
 
 
-def split_url(url: str) -> tuple[str, str]:
-    """("gs://BUCKET" or "s3://BUCKET", object name), or ("http(s)://HOST", "/path"); other schemes refused."""
-    scheme, _, rest = url.partition("://")
-    host, _, key = rest.partition("/")
-    if scheme not in URL_SCHEMES or not host or not key:
-        raise DataError(
+class BadURL(DataError):
+    """A URL the storage layer cannot use faithfully (no bucket, a name the clients would not all read alike):
+    refused in one line naming it and the form expected, before anything is read or written."""
+
+
+class NoSuchBucket(StorageError):
+    """A gs:// or s3:// URL whose bucket does not exist."""
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+    """(scheme, bucket or host, object name or path) of a URL: the one parser of the storage layer. BadURL where
+    the scheme is not one it knows or the bucket (host) is missing, as in gs:// or gs:///PATH."""
+    scheme, _, rest = str(url).partition("://")
+    where, _, key = rest.partition("/")
+    if scheme not in URL_SCHEMES:
+        raise BadURL(
             f"{url}: expected a local path or gs://BUCKET/PATH, s3://BUCKET/PATH, http://HOST/PATH, "
             "https://HOST/PATH"
         )
+    if not where:
+        kind = "bucket" if scheme in BUCKETS else "host"
+        raise BadURL(f"{url}: no {kind}; expected {scheme}://{kind.upper()}/PATH")
+    return scheme, where, key
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """("gs://BUCKET" or "s3://BUCKET", object name), or ("http(s)://HOST", "/path"); other schemes refused."""
+    scheme, host, key = parse_url(url)
+    if not key:
+        raise BadURL(f"{url}: names no file; expected {scheme}://{host}/PATH")
     return f"{scheme}://{host}", key if scheme in BUCKETS else "/" + urllib.parse.unquote(key)
 
 
-def _bucket_key(url: str) -> tuple[str, str, str]:
-    """(scheme, bucket, object name or prefix) of a gs:// or s3:// URL."""
-    scheme, _, rest = str(url).partition("://")
-    bucket, _, key = rest.partition("/")
-    return scheme, bucket, key
+# What a URL reads as a fragment (#) or a query (?), and what Orbax's path to TensorStore does not keep ([ ]):
+# in a name, each is cut or changed on its way to one client and not another (measured: the arrays of a run
+# directory gs://B/runs/a#b went to gs://B/runs/a/). Every other character an object name may hold (space, %,
+# +, &, =, ;, @, unicode, ...) reaches google-cloud-storage, gcsfs, TensorStore and Orbax alike, as it is.
+NOT_KEPT = "#?[]"
+
+
+def check_url(value: str, flag: str, pattern: bool = False) -> None:
+    """Judge, before anything is read or written, each URL a flag (or a command's argument) names: BadURL in one
+    line naming the flag where the storage layer cannot use it faithfully: no bucket (parse_url), a character
+    of NOT_KEPT, a control character, or an empty, . or .. folder (Orbax normalises those away: measured, the
+    arrays of gs://B/a//b went to gs://B/a/b). `pattern`: the value is --data's or --eval_data's, a
+    comma-separated list of files and globs, each maybe LABEL=."""
+    for url in _urls(value, pattern):
+        try:
+            scheme, _, key = parse_url(url)
+            refused = "#" if pattern and scheme in BUCKETS else NOT_KEPT  # (? [ ] of a glob: expand's)
+            if bad := re.search(f"[{re.escape(refused)}\x00-\x1f\x7f]", url):
+                raise BadURL(
+                    f"{url}: {bad[0]!r} is not kept alike by every client (a URL reads # as a fragment, ? as a "
+                    f"query; Orbax does not keep [ ]); expected a name without {' '.join(refused)} or control "
+                    "characters"
+                )
+            if scheme in BUCKETS and key.rstrip("/") and {"", ".", ".."} & set(key.rstrip("/").split("/")):
+                raise BadURL(f"{url}: an empty, . or .. folder; expected {scheme}://BUCKET/PATH without them")
+        except BadURL as e:  # (a control character shown as \xNN: one line)
+            raise BadURL(f"{flag} {e}".translate({c: f"\\x{c:02x}" for c in [*range(32), 127]})) from None
+
+
+def check_bucket(value: str, flag: str, pattern: bool = False) -> None:
+    """Refuse, before anything is read, a URL of a flag (as check_url's) whose bucket does not exist, naming the
+    flag and the bucket: a listing of at most one object, one a bucket. An account that may not list it is
+    told nothing here: what it may do is found as it does it."""
+    buckets = {}  # {gs://BUCKET: the first URL in it}
+    for url in _urls(value, pattern):
+        scheme, bucket, _ = parse_url(url)
+        if scheme in BUCKETS:
+            buckets.setdefault(f"{scheme}://{bucket}", url)
+    for root, url in buckets.items():
+        try:
+            objects(f"{root}/", limit=1)
+        except StorageRefused:
+            pass
+        except NoSuchBucket as e:
+            raise NoSuchBucket(f"{flag} {url}: {e}") from None
+
+
+def _urls(value: str, pattern: bool) -> list[str]:
+    """The URLs in a flag's value: the value, or (a pattern) each URL in its comma-separated parts."""
+    if pattern:
+        return re.findall(r"[A-Za-z][A-Za-z0-9+.-]*://[^,]*", value)
+    return [value] if is_url(value) else []
 
 
 def under(root: str, path: str) -> str:
@@ -370,6 +442,8 @@ class _Patience:
         answer = transient_answer(e)
         if answer is None:
             return None
+        if getattr(_ONCE, "on", False):
+            raise StorageUnavailable(f"{self.url}: {self.what} answered {answer} (tried once)", answer) from e
         waited = time.monotonic() - self.start
         if waited >= PATIENCE_S:
             raise StorageUnavailable(
@@ -388,6 +462,20 @@ class _Patience:
             )
         self.pause_s = min(max(2 * self.pause_s, FIRST_PAUSE_S), LAST_PAUSE_S)
         return min(self.pause_s * random.uniform(0.5, 1.0), PATIENCE_S - waited)
+
+
+_ONCE = threading.local()  # .on: this thread's requests are tried once (tried_once)
+
+
+@contextlib.contextmanager
+def tried_once():
+    """Each request this thread makes inside is tried once, without patience: for what is done while a process
+    stops because the storage gave up (it is likely out still, and a patience more would double the stop)."""
+    before, _ONCE.on = getattr(_ONCE, "on", False), True
+    try:
+        yield
+    finally:
+        _ONCE.on = before
 
 
 def patiently(what: str, url: str, request: Callable):
@@ -481,7 +569,7 @@ def _s3():
 
 
 def _blob(url: str):
-    _, bucket, key = _bucket_key(url)
+    _, bucket, key = parse_url(url)
     return _gcs().bucket(bucket).blob(key)
 
 
@@ -645,7 +733,7 @@ def _gcs_stat(url: str):
 
 
 def _s3_size(url: str) -> int | None:
-    _, bucket, key = _bucket_key(url)
+    _, bucket, key = parse_url(url)
     try:
         return _s3().head_object(Bucket=bucket, Key=key)["ContentLength"]
     except Exception as e:
@@ -702,7 +790,7 @@ def _files_under(folder: str) -> dict[str, int]:
 def objects(prefix: str, limit: int | None = None) -> dict[str, int]:
     """{URL: size} of the objects whose URL starts with `prefix` (gs:// or s3://), from a listing; the first
     `limit` of them where given."""
-    scheme, bucket, key = _bucket_key(prefix)
+    scheme, bucket, key = parse_url(prefix)
     if scheme not in BUCKETS:
         raise DataError(f"{prefix}: an HTTP server lists no files; name each file, or use a mix file")
 
@@ -718,6 +806,8 @@ def objects(prefix: str, limit: int | None = None) -> dict[str, int]:
             )
             return {entry["Key"]: entry["Size"] for page in pages for entry in page.get("Contents", [])}
         except Exception as e:
+            if _status(e) == 404:  # a listing finds no object, or the bucket is not there
+                raise NoSuchBucket(f"{scheme}://{bucket}: no such bucket") from e
             _reraise(e, prefix, "listing")
 
     root = f"{scheme}://{bucket}/"
@@ -826,7 +916,11 @@ def _upload_at(blob, url: str, text, generation: int) -> bool:
         try:
             blob.upload_from_string(text, if_generation_match=generation, retry=None)
             return True
-        except (PreconditionFailed, NotFound):
+        except NotFound as e:  # a create (generation 0) is not found only where its bucket is not
+            if not generation:
+                raise NoSuchBucket(f"gs://{blob.bucket.name}: no such bucket") from e
+            return False
+        except PreconditionFailed:
             return False
         except Exception as e:
             _reraise(e, url, "writing")
@@ -871,7 +965,7 @@ def remove(path: str, generation: int | None = None) -> None:
             os.remove(path)
         return
     if path.startswith("s3://"):
-        _, bucket, key = _bucket_key(path)
+        _, bucket, key = parse_url(path)
         patiently(
             "removing", path, lambda: _s3_call(path, "removing", "delete_object", Bucket=bucket, Key=key)
         )
@@ -1059,8 +1153,9 @@ def mix_lines(
 
 
 def find_mix(mix_file: str, data_root: str) -> str:
-    """Where a mix file named by --data is: as given (a URL, or a path from the working directory), else under
-    --data_root with the token files it lists; refused in one line naming every place looked in."""
+    """Where a mix file named by --data or --eval_data is: as given (a URL, or a path from the working
+    directory), else under --data_root with the token files it lists; refused in one line naming every place
+    looked in."""
     places = (
         [mix_file]
         if is_url(mix_file) or os.path.isabs(mix_file) or not data_root
@@ -1740,10 +1835,19 @@ def format_hash(h: int) -> str:
 
 
 class Prefetcher:
-    """Batches start..stop-1, read by fetch(i) and moved by put() on a thread, up to `depth` ahead."""
+    """Batches start..stop-1, read by fetch(i) and moved by put() on a thread, up to `depth` ahead. Each wait
+    for a batch runs inside `waiting()` (train.py's lets a preemption end it at once)."""
 
-    def __init__(self, fetch: Callable, start: int, stop: int, put: Callable, depth: int = 2):
-        self.start, self.stop = start, stop
+    def __init__(
+        self,
+        fetch: Callable,
+        start: int,
+        stop: int,
+        put: Callable,
+        depth: int = 2,
+        waiting=contextlib.nullcontext,
+    ):
+        self.start, self.stop, self.waiting = start, stop, waiting
         self._queue, self._closed = queue.Queue(maxsize=depth), threading.Event()
         self.thread = threading.Thread(target=self._run, args=(fetch, put), daemon=True)
         self.thread.start()
@@ -1765,14 +1869,17 @@ class Prefetcher:
     def __iter__(self):
         for _ in range(self.start, self.stop):
             t = time.perf_counter()
-            i, batch, error = self._queue.get()
+            with self.waiting():
+                i, batch, error = self._queue.get()
             if error is not None:
                 raise error
             yield i, batch, time.perf_counter() - t
 
     def close(self):
+        """Stop the thread at its next batch. A read in progress is waited for a second at most: storage that
+        does not answer must not hold up a preempted run's exit (the thread, a daemon, ends with the process)."""
         self._closed.set()
-        self.thread.join()
+        self.thread.join(timeout=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1829,7 +1936,7 @@ def eval_mix_sets(mix_file: str, data_root: str) -> dict[str, list[str]]:
     name = os.path.basename(mix_file).removesuffix(".txt")
     tokenizer_id = PPL_MIX_TOKENIZER_ID if name in PPL_MIXES else DOLMA3_TOKENIZER_ID
     sets = {}
-    for n, label, path in mix_lines(mix_file, data_root, tokenizer_id):
+    for n, label, path in mix_lines(find_mix(mix_file, data_root), data_root, tokenizer_id):
         where = f"--eval_data {mix_file} line {n}"
         if not EVAL_LABEL.fullmatch(label):
             raise DataError(

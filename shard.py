@@ -22,6 +22,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import typing
 import warnings
@@ -1087,6 +1088,65 @@ def load_autotuning(file: str, device) -> None:
     process's autotuning cache, by a compile of nothing much for `device`; XLA loads one file per process."""
     like = jax.ShapeDtypeStruct((), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(device))
     jax.jit(lambda x: x + 1).lower(like).compile({"xla_gpu_load_autotune_results_from": file})
+
+
+# JAX's persistent compilation cache: a restart loads each program compiled before (the train step: minutes for
+# the 7B) from a folder, where JAX keys it on the program, the devices, jaxlib's and the backend's versions and
+# XLA's flags. train.py's --compile_cache defaults to JAX's own variable where set, else the user's cache folder.
+COMPILE_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "olmo3-jax", "jax"
+)
+
+
+def use_compilation_cache(path: str) -> None:
+    """Keep every program XLA compiles in folder `path` (or gs://BUCKET/PATH, which JAX writes through etils'
+    epath: the gcs extra's gcsfs), and look there first; '' turns the cache off. JAX's own threshold stays:
+    only programs that took 1 s or more to compile are kept, the step among them: keeping a restart's six small
+    others too (the data's placement, the checksums) spared 0.1-0.2 s of its compiles here (bench/RESULTS.md).
+    JAX writes from process 0 only: on a pod, a folder every host reads (gs://) spares each host the compile."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if "://" in path:  # JAX's eviction (a size limit) locks a local file named as the folder, "gs:/..."
+        jax.config.update("jax_compilation_cache_max_size", -1)  # so a bucket keeps every program
+    asked = (path or None, bool(path))
+    if (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache) != asked:
+        jax.config.update("jax_enable_compilation_cache", bool(path))
+        compilation_cache.set_cache_dir(path or None)
+        compilation_cache.reset_cache()  # JAX opens its cache once: a process that compiled before (a test's)
+
+
+def compile_watched(compile_fn) -> tuple[float, dict]:
+    """`compile_fn()` (a jit's .lower(...).compile()) timed: its seconds, and what it compiled, as JAX's events
+    in this thread tell: "compiles" (programs handed to XLA or found in the persistent compilation cache; none
+    where this process compiled it before), "hits" (found there) and "writes" (compiled, then stored there:
+    JAX names that event "cache_misses")."""
+    counts, thread = dict(compiles=0, hits=0, writes=0), threading.get_ident()
+    names = {
+        "/jax/core/compile/backend_compile_duration": "compiles",
+        "/jax/compilation_cache/cache_hits": "hits",
+        "/jax/compilation_cache/cache_misses": "writes",
+    }
+
+    def count(event: str, *_, **__) -> None:
+        if event in names and threading.get_ident() == thread:
+            counts[names[event]] += 1
+
+    jax.monitoring.register_event_listener(count)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    start = time.perf_counter()
+    try:
+        compile_fn()
+    finally:
+        jax.monitoring.unregister_event_listener(count)
+        jax.monitoring.unregister_event_duration_listener(count)
+    return time.perf_counter() - start, counts
+
+
+def compiler(device) -> dict:
+    """What compiles for `device`: JAX's and jaxlib's versions, the backend's own (libtpu's, CUDA's) and the
+    flags XLA and libtpu read."""
+    env = {name: os.environ.get(name, "") for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")}
+    return dict(jax=jax.__version__, jaxlib=jaxlib.__version__, backend=device.client.platform_version, **env)
 
 
 def initialize(

@@ -130,6 +130,8 @@ class TrainConfig:
     # run
     run_dir: str = "runs/7b"  # a folder, or gs://BUCKET/PATH: everything the run writes, checkpoints included
     storage_patience: float = flag(600.0, above=0)  # seconds a storage request retries 429s, 5xx, resets
+    compile_cache: str = shard.COMPILE_CACHE  # compiled programs kept for restarts (JAX's persistent
+    # compilation cache), a folder or gs://BUCKET/PATH (on a pod: one all hosts read); '' = off
     ckpt_every: int = flag(1000, low=1)
     keep_last: int = flag(2, low=2)  # recent checkpoints kept (at least 2: the newest may be mid-write)
     keep_every: int = flag(0, low=0)  # also keep every step divisible by this, forever; 0 = none
@@ -160,6 +162,7 @@ class TrainConfig:
     num_processes: int = flag(0, low=0)
     process_id: int = flag(-1, low=-1)
     heartbeat_timeout: int = flag(100, low=1)  # seconds a process may go silent before the others stop
+    step_timeout: int = flag(ckpt.STEP_TIMEOUT_S, low=0)  # seconds with no step done: hung, exit 124; 0: off
 
     @property
     def model_preset(self) -> str:
@@ -564,10 +567,10 @@ def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, 
     """Steps start + 1 ... --steps, saving and evaluating on the way: (the model, whether a preemption
     stopped it early). Step k + 1 is dispatched before step k's numbers are read, so the host never keeps
     the devices waiting."""
-    cfg = run.cfg
+    cfg, step = run.cfg, start  # step: the one under way
     prefetch = read_batches(run, start)
     batches = (dataclasses.replace(batch, wait=wait) for _, batch, wait in prefetch)
-    meter, pending, stop = ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len), None, False
+    meter, pending, stop = step_meter(run, start), None, False  # the progress bar, tokens/s, the watchdog
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")  # the int batch
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -577,8 +580,8 @@ def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, 
                 log_step(run, *pending, meter)
             run.checkpoints.check()  # a failed background save stops the run here
             pending = (step, metrics, batch)
-            stop = preemption.requested(step, run.checkpoints)
-            do_eval = bool(run.eval_sets or run.tasks) and (step % cfg.eval_every == 0 or step == cfg.steps)
+            stop = preemption.requested()
+            do_eval = evaluates_at(run, step)
             do_save = step % cfg.ckpt_every == 0 or step == cfg.steps or stop
             # Never evaluate or checkpoint a state whose loss was not checked; and the first step compiles,
             # so its numbers are read at once: its time is its own, not the next step's too.
@@ -598,18 +601,18 @@ def train_loop(run: "Run", preemption: ckpt.Preemption, start: int, model, opt, 
             if stop:
                 say(f"saved step {step}; exiting for the preemption")
                 break
-    except BaseException:
-        run.checkpoints.close(failing=True)  # an in-flight save of a good step still commits
-        raise
+    except BaseException as e:  # a preemption midway (in a wait, an evaluation) keeps the newest step
+        if not (stop := kept_for_preemption(run, e, step, pending, meter, (model, opt, key))):
+            raise  # an error: close_failing ran
     finally:
         prefetch.close()
-        meter.bar.close()
+        meter.close()
     return model, stop
 
 
 def main(cfg: TrainConfig) -> int:
+    data.set_patience(cfg.storage_patience)  # every request to storage from here on, check_flags' too
     check_flags(cfg)
-    data.set_patience(cfg.storage_patience)  # every request to storage, from here on
     mesh, target = start_devices(cfg)
     model_cfg, compute = model_config(cfg), compute_policy(cfg, mesh)
     announce(cfg, mesh, model_cfg, compute)
@@ -618,7 +621,7 @@ def main(cfg: TrainConfig) -> int:
     check_start(cfg, model_cfg)  # here, not in check_flags: reading a source starts JAX's backend
     plan = plan_run(cfg, mesh, model_cfg, compute)  # the data: refusals before anything is written
     cfg, stopped = plan.cfg, None  # --steps and --lr_horizon 0 now the epoch's length
-    with ckpt.Preemption() as preemption, ckpt.RunLock(cfg.run_dir):  # one writer per run directory
+    with ckpt.Preemption() as preemption, ckpt.none_left_if_stopped(cfg.run_dir), ckpt.RunLock(cfg.run_dir):
         run, (start, model, opt, key) = set_up(plan, target)  # restored (or the stage's start), fitted
         if cfg.eval_only:
             evaluate(run, start, model)
@@ -650,25 +653,72 @@ def save(run: "Run", step: int, model, opt, key) -> None:
     # One global array: Orbax cannot save an array that lives on one process only.
     key_data = jax.device_put(np.asarray(jax.random.key_data(key)), shard.replicated(run.mesh))
     run.checkpoints.save(step, model, {"opt": opt, "key": key_data}, run.meta)
+    run.goodput.store()  # the start's account as of each checkpoint
 
 
 def evaluate(run: "Run", step: int, model) -> dict:
     """The held-out sets (lm_row) and the downstream tasks (downstream_row), logged as step `step`'s eval
     row and printed as tables."""
-    row = dict(step=step)
-    row |= lm_row(run, model) if run.eval_sets else {}
-    row |= downstream_row(run, model) if run.tasks else {}
-    print_eval_tables(run, step, row)  # first: a row that cannot be recorded is still seen
-    record_eval_row(run, row)
+    with run.goodput.timed("evaluation"):
+        row = dict(step=step)
+        row |= lm_row(run, model) if run.eval_sets else {}
+        row |= downstream_row(run, model) if run.tasks else {}
+        print_eval_tables(run, step, row)  # first: a row that cannot be recorded is still seen
+        record_eval_row(run, row)
     return row
+
+
+def evaluates_at(run: "Run", step: int) -> bool:
+    """Whether the run evaluates step `step`: every --eval_every steps and the last, where it has held-out sets
+    or tasks."""
+    return bool(run.eval_sets or run.tasks) and (step % run.cfg.eval_every == 0 or step == run.cfg.steps)
 
 
 def log_step(run: "Run", step: int, metrics: dict, batch: "Batch", meter: ckpt.Progress):
     """Read step `step`'s numbers (the device has finished it), stop on a NaN, write its metrics row."""
     metrics = {k: v.item() for k, v in jax.device_get(metrics).items()}
     stop_on_nan(run, step, metrics)
+    run.goodput.stepped(step, meter.clock(), batch.wait)
     run.log.write(metrics_row(run, step, metrics, batch, meter))
     run.profile.finished(step)
+
+
+def step_meter(run: "Run", start: int) -> ckpt.Progress:
+    """The loop's progress bar and tokens/s, and with --step_timeout its watchdog on the same clock: each
+    step's numbers beat it; saves and evaluations stop it, and it starts at the first step's numbers (the
+    first step compiles)."""
+    cfg = run.cfg
+    watchdog = ckpt.StepWatchdog(cfg.step_timeout, cfg.run_dir) if cfg.step_timeout else None
+    return ckpt.Progress(start, cfg.steps, cfg.global_batch * cfg.seq_len, watchdog)
+
+
+def close_failing(run: "Run", meter: ckpt.Progress) -> None:
+    """The loop stopped on an error: the watchdog stops first (waiting for a save is no step, and the error is
+    the run's story, not a hang), then an in-flight save of a good step still commits."""
+    meter.close()
+    run.checkpoints.close(failing=True)
+
+
+def kept_for_preemption(
+    run: "Run", e: BaseException, step: int, pending, meter: ckpt.Progress, state
+) -> bool:
+    """The loop stopped midway through step `step` on `e`. A preemption (ckpt.Preempted) keeps the newest step
+    done, then returns True (the loop's exit 0): in an evaluation, the step itself, which the loop has saved
+    (its evaluation runs first at the next start: set_up); in a wait for data, the step before, its numbers
+    read first (no state whose loss was not checked is kept); before the first step, none (the step restored is
+    the newest). Anything else is an error: close_failing, and False."""
+    if not isinstance(e, ckpt.Preempted):
+        close_failing(run, meter)
+        return False
+    if pending:
+        log_step(run, *pending, meter)
+    meter.close()  # waiting for a save is no step: the watchdog stops
+    done = step if step == run.checkpoints.saving or step in run.checkpoints.steps() else step - 1
+    if done > 0:  # (0: a stage's start or an init, which no preemption saves)
+        save(run, done, *state)  # nothing where it is saved already: the step restored, or one just saved
+    cut = ", its evaluation cut short (it runs first at the next start)" if done == step else ""
+    say(f"saved step {done}{cut}; exiting for the preemption" if done else "exiting for the preemption")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -684,9 +734,12 @@ def say(*args) -> None:
 
 def start_devices(cfg: TrainConfig):
     """The mesh (and, with --topology, the slice compiled for), after making GPU kernels sum in a fixed
-    order, which exact resumption needs, unless --deterministic=false."""
+    order, which exact resumption needs, unless --deterministic=false, and pointing JAX's compilation cache at
+    --compile_cache (not for a dry run, which leaves JAX's cache as JAX's variables set it)."""
     if cfg.deterministic:
         shard.deterministic_gpu_ops()
+    if not cfg.dry_run:
+        shard.use_compilation_cache(cfg.compile_cache)
     hosts = (cfg.coordinator, cfg.num_processes, cfg.process_id, cfg.heartbeat_timeout)
     try:
         return shard.start(cfg.mesh, cfg.topology, cfg.num_slices, *hosts)
@@ -697,8 +750,11 @@ def start_devices(cfg: TrainConfig):
 
 
 def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute) -> None:
+    """Say the config, the model and how it computes on the devices found; first refuse a model those
+    devices cannot train (check_devices_suffice)."""
     device, peak = mesh.devices.flat[0], shard.peak_flops(mesh.devices.flat[0])
     n_params = olmo3.count_params(olmo3.abstract(model_cfg))
+    check_devices_suffice(cfg, mesh, n_params)
     say(f"config: {json.dumps(dataclasses.asdict(cfg))}")
     say(
         f"model: {cfg.model_preset}{' ' + cfg.head_layout if cfg.head_layout else ''}, {n_params:,} parameters, "
@@ -725,6 +781,28 @@ def announce(cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo
         )
 
 
+# The most parameters a run trains on CPU devices: the 1b preset's 1.5B (24 GB of fp32 weights, Adam's two
+# moments and the gradient sum, 16 bytes a parameter) still fits a workstation. The 7B's state alone is 117 GB
+# and one step of its recipe 1.95e17 FLOPs, two days at a CPU's teraFLOP/s: a 7B or 32B that finds CPUs found
+# them where TPUs or GPUs were meant to be (libtpu or the CUDA plugin did not load), and is better told so
+# at once than left to build the model.
+CPU_MAX_PARAMS = 2_000_000_000
+
+
+def check_devices_suffice(cfg: TrainConfig, mesh, n_params: int) -> None:
+    """Refuse, before anything is allocated, a model of more than CPU_MAX_PARAMS on CPU devices (a dry run
+    allocates nothing and compiles for any devices)."""
+    if cfg.dry_run or mesh.devices.flat[0].platform != "cpu" or n_params <= CPU_MAX_PARAMS:
+        return
+    named = f"--model {cfg.model}" if cfg.model else f"--preset {cfg.preset}"
+    raise FlagError(
+        f"{named}: {n_params:,} parameters, too many for the devices found: {mesh.size} CPU devices in "
+        f"{jax.process_count()} process(es) (at most {CPU_MAX_PARAMS:,} on CPUs; where TPUs or GPUs were "
+        "meant, libtpu or the CUDA plugin did not load: pip install -e '.[tpu]' or '.[gpu]'); to see what it "
+        "needs on the chips it is meant for, from any machine: --dry_run --topology v5p-512"
+    )
+
+
 @dataclass(frozen=True)
 class Plan:
     """A run as planned before anything is written: the config (one epoch's --steps filled in), the devices, the
@@ -746,11 +824,14 @@ class Plan:
 @dataclass(frozen=True)
 class Run(Plan):
     """A run under way, built whole by set_up (open_run): its plan, the run directory opened (its checkpoints
-    and metrics log), the profiler. The loop's seams take it."""
+    and metrics log), the profiler, this start's goodput account, the seconds set_up took to compile the step.
+    The loop's seams take it."""
 
     checkpoints: ckpt.Checkpoints
     log: ckpt.MetricsLog
     profile: ckpt.Profile
+    goodput: ckpt.Goodput  # where this start's seconds go (RUN_DIR/goodput.jsonl)
+    compile_s: float = 0.0  # the train step's compile (compiled_step), from the cache or not; 0: none
 
 
 @dataclass(frozen=True)
@@ -814,22 +895,42 @@ def set_up(plan: Plan, target) -> tuple[Run, tuple]:
     """The run under way, once it holds its lock: the run directory opened, the newest valid checkpoint
     restored (or the stage's start, or a fresh init) as (step, model, optimizer state, key), the rows past it
     dropped from metrics.jsonl (steps to retake; --eval_only only adds a row), and where the model runs, the
-    microbatch whose rows fit and the remat policy (fitting_microbatches), the model computing with it."""
+    microbatch whose rows fit and the remat policy (fitted), the model computing with it; where it trains, its
+    step compiled (compiled_step). An evaluation of the step restored that a preemption cut short runs here,
+    first (evaluation_owed)."""
     cfg, mesh = plan.cfg, plan.mesh
     run = open_run(plan)
     state = restore_or_init(run)
-    if not cfg.eval_only:
-        run.log.rewind(state[0])
-    if cfg.eval_only or state[0] < cfg.steps:  # the model runs: a microbatch's rows at a time that fit
-        with_remat = lambda remat: dataclasses.replace(plan.compute, remat=remat)
-        compile_for = lambda n, remat: compile_step(cfg, mesh, plan.model_cfg, with_remat(remat), n)
-        n_micro, remat = fitting_microbatches(cfg, mesh, shard.memory_limit(mesh, target), compile_for)
-        run = dataclasses.replace(run, n_micro=n_micro, compute=with_remat(remat))
+    if not cfg.eval_only:  # the restore is done: what follows until the first record is compiling
+        run.goodput.restored(state[0], run.log.rewind(state[0]))
+    trains = not cfg.eval_only and state[0] < cfg.steps
+    owed = not cfg.eval_only and evaluation_owed(run, state[0])
+    if cfg.eval_only or trains or owed:  # the model runs: a microbatch's rows at a time that fit
+        n_micro, remat = fitted(run, target)
+        compute = dataclasses.replace(plan.compute, remat=remat)
+        run = dataclasses.replace(run, n_micro=n_micro, compute=compute)
         state = (state[0], state[1].using(run.compute), *state[2:])
-    if cfg.deterministic and not cfg.eval_only and state[0] < cfg.steps:  # GPUs: tuned deterministic GEMMs
+    if cfg.deterministic and trains:  # GPUs: tuned deterministic GEMMs
         tune = lambda options: compile_step(cfg, mesh, plan.model_cfg, run.compute, run.n_micro, options)
         ckpt.autotuned_gemms(cfg.run_dir, mesh.devices.flat[0], tune, say)
+    if trains:
+        run = dataclasses.replace(run, compile_s=compiled_step(run, *state[1:3]))
+        run.goodput.store()  # the start's first record: its start, restore and compiles
+    if owed:  # on the model restored, which is that step's: the row an uninterrupted run has
+        evaluate(run, state[0], state[1])
     return run, state
+
+
+def evaluation_owed(run: Run, step: int) -> bool:
+    """Whether step `step`, restored, is one the run evaluates whose evaluation row metrics.jsonl lacks: a
+    preemption stopped that evaluation midway and the loop saved the step (or the evaluation failed after the
+    step was kept). Process 0 reads the file, and every process takes its answer: all evaluate, or none."""
+    owed = step > 0 and evaluates_at(run, step) and not run.log.evaluated(step)
+    if jax.process_count() == 1:
+        return owed
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(owed)))
 
 
 def make_loader(cfg: TrainConfig, model_cfg: olmo3.Olmo3Config, files: list[str], kw: dict):
@@ -890,15 +991,17 @@ def check_eval_only(cfg: TrainConfig, eval_sets: list[data.PaddedEvalSet]) -> No
 
 def open_run(plan: Plan) -> Run:
     """The run directory's checkpoints and metrics log opened (once the run holds its lock: this makes the
-    directory, if it is new), and the run they make of `plan`."""
-    cfg = plan.cfg
+    directory, if it is new), and the run they make of `plan`. Its goodput account starts here: process 0 of a
+    run that may train keeps it."""
+    cfg, lead = plan.cfg, jax.process_index() == 0
     checkpoints = ckpt.Checkpoints(cfg.run_dir, cfg.keep_last, cfg.keep_every)
+    goodput = ckpt.Goodput(cfg.run_dir, lead and not cfg.eval_only, checkpoints)
     wandb = None
     if cfg.wandb:  # OLMo-core's throughput is per device, its masked instances per batch
         wandb = ckpt.WandbRun(
             cfg.wandb, cfg.wandb_run or None, dataclasses.asdict(cfg), plan.mesh.size, cfg.global_batch
         )
-    log = ckpt.MetricsLog(cfg.run_dir, jax.process_index() == 0, cfg.tensorboard, wandb)
+    log = ckpt.MetricsLog(cfg.run_dir, lead, cfg.tensorboard, wandb, goodput)
     # Each checkpoint's rows are stored before it (on gs:// they are held a while): none is lost to a kill.
     checkpoints.before_save = log.flush
     planned = {f.name: getattr(plan, f.name) for f in dataclasses.fields(Plan)}
@@ -907,6 +1010,7 @@ def open_run(plan: Plan) -> Run:
         checkpoints=checkpoints,
         log=log,
         profile=ckpt.Profile(cfg.profile, cfg.run_dir),
+        goodput=goodput,
     )
 
 
@@ -1110,7 +1214,8 @@ def read_batches(run: Run, start: int) -> data.Prefetcher:
         extras = {name: put(a) for name, a in extras.items()}
         return Batch(put(rows), extras, data.batch_hash(rows, row_ids), int((~kept).sum()))
 
-    return data.Prefetcher(lambda i: run.loader.local_batch(i, rank, world), start, cfg.steps, to_devices)
+    fetch = lambda i: run.loader.local_batch(i, rank, world)
+    return data.Prefetcher(fetch, start, cfg.steps, to_devices, waiting=ckpt.waiting_for_data)
 
 
 def stop_on_nan(run: Run, step: int, metrics: dict) -> None:
@@ -1347,6 +1452,56 @@ def lightest_remat(rows: int, fits, need: dict, within: str) -> str:
     return remat
 
 
+# The flags whose change may change the fit search's choice: they shape the compiled step and what it holds
+# (the model, the compute policy, the mesh and the devices are recorded whole beside them: fit_made_for). The
+# others (the schedule, the data's files, the intervals) change no array the step holds.
+FIT_FLAGS = (
+    "global_batch",
+    "seq_len",
+    "microbatch",
+    "pack_files",
+    "repeat_filter",
+    "loss",
+    "loss_chunk",
+    "reduce_dtype",
+    "dp_ranks",
+    "positions",
+    "skip_window",
+    "deterministic",
+)
+
+
+def fitted(run: Run, target) -> tuple[int, str]:
+    """fitting_microbatches' (microbatches, remat policy) for the run's devices. Where they state their memory,
+    its search compiles the step several times (minutes each for the 7B), so its choice is kept in
+    RUN_DIR/fit.json with what it was made for (fit_made_for), and a restart that finds the same takes it
+    from there (ckpt.recorded_fit); devices that state none (a CPU) have nothing to search, and --eval_only
+    (which may read a directory it cannot write) searches without the record."""
+    cfg, mesh, hbm = run.cfg, run.mesh, shard.memory_limit(run.mesh, target)
+    with_remat = lambda remat: dataclasses.replace(run.compute, remat=remat)
+    compile_for = lambda n, remat: compile_step(cfg, mesh, run.model_cfg, with_remat(remat), n)
+    search = lambda: fitting_microbatches(cfg, mesh, hbm, compile_for)
+    if not hbm or cfg.eval_only:
+        return search()
+    return ckpt.recorded_fit(cfg.run_dir, fit_made_for(run, hbm), search, say)
+
+
+def fit_made_for(run: Run, hbm: int) -> dict:
+    """What the fit search's choice depends on: the devices (their kind, how many, in how many processes, the
+    memory each states), the compiler (shard.compiler), the mesh, the model, the compute policy (--remat as
+    given) and the flags that shape the step (FIT_FLAGS)."""
+    device = run.mesh.devices.flat[0]
+    devices = dict(kind=device.device_kind, count=run.mesh.size, processes=jax.process_count(), memory=hbm)
+    return dict(
+        devices=devices,
+        compiler=shard.compiler(device),
+        mesh=dict(run.mesh.shape),
+        model=dataclasses.asdict(run.model_cfg),
+        compute=dataclasses.asdict(run.compute),
+        flags={name: getattr(run.cfg, name) for name in FIT_FLAGS},
+    )
+
+
 def compile_step(
     cfg: TrainConfig, mesh, model_cfg: olmo3.Olmo3Config, compute: olmo3.Compute, n_micro: int, options=None
 ):
@@ -1371,6 +1526,35 @@ def compile_step(
     )
     params = eqx.filter(model, olmo3.is_array)
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": (batch, packed)}
+
+
+def compiled_step(run: Run, model, opt) -> float:
+    """Compile the loop's train step before step 1, for the arguments take_step passes it (zeros in the
+    batch's place: nothing runs), so that its first call finds it compiled; say how long that took and
+    whether --compile_cache held it (shard.compile_watched). Returns the seconds."""
+    cfg, mesh = run.cfg, run.mesh
+    rows = lambda dtype, *row: jnp.zeros(
+        (cfg.global_batch, *row), dtype, device=shard.batch_sharding(mesh, 1 + len(row))
+    )
+    extras = dict(keep=rows(jnp.bool_)) if cfg.repeat_filter else {}
+    if cfg.pack_files:
+        extras |= dict(label_mask=rows(jnp.bool_, cfg.seq_len), documents=rows(jnp.int32, cfg.seq_len))
+    args = (model, opt, rows(jnp.int32, cfg.seq_len), jnp.float32(0))
+    lowered = lambda: train_step.lower(*args, cfg=cfg, n_micro=run.n_micro, mesh=mesh, **extras)
+    with warnings.catch_warnings():  # as in the loop: the int batch's buffer cannot take a float's place
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        seconds, did = shard.compile_watched(lambda: lowered().compile())
+    where = "compiled afresh"
+    if not did["compiles"]:
+        where = "compiled before in this process"
+    elif did["hits"]:
+        where = f"from the compilation cache {cfg.compile_cache}"
+    elif did["writes"]:
+        where += f"; cached in {cfg.compile_cache}"
+    elif not cfg.compile_cache:
+        where += "; --compile_cache is off"
+    say(f"compiled the step in {seconds:.1f} s ({where})")
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1637,6 +1821,7 @@ def eval_set_loss(run: Run, model, held: data.PaddedEvalSet) -> float:
     put = lambda rows: shard.put_batch(rows, run.mesh, size)
     total = count = 0
     for first in range(0, n, size):
+        ckpt.between_batches()  # a preemption stops the evaluation here
         tokens, mask = held.rows(first + local, stop=n)
         ce, counted = eval_step(model, put(tokens), put(mask), cfg.loss_chunk, run.mesh)
         total, count = total + ce, count + counted
@@ -1661,6 +1846,7 @@ def task_scores(run: Run, model, task: data.DownstreamTask, width: int) -> tuple
     cfg, rank, world = run.cfg, jax.process_index(), jax.process_count()
     continuation, picked = np.zeros(len(task.queries)), np.zeros((len(task.queries), width))
     for batch in data.downstream_batches(task, cfg.global_batch // run.n_micro, cfg.seq_len, width):
+        ckpt.between_batches()  # a preemption stops the evaluation here
         local = np.arange(rank, len(batch[0]), world)  # this process's rows, as in training
         put = lambda a: shard.put_batch(a[local], run.mesh, len(a))
         chunk = math.gcd(batch[1].shape[1], cfg.loss_chunk)  # a divisor of this batch's length
@@ -1683,12 +1869,14 @@ def downstream_row(run: Run, model) -> dict:
 
 
 def plot_and_sample(run: Run, model) -> None:
-    """A finished run's plots (loss.png, downstream.png) and, with --samples, text sampled from the model."""
+    """A finished run's plots (loss.png, downstream.png) and, with --samples, text sampled from the model;
+    then the start's last goodput record, their seconds in it."""
     if jax.process_index() == 0:
         ckpt.plot_losses(run.cfg.run_dir)
         ckpt.plot_downstream(run.cfg.run_dir)
     if run.cfg.samples:  # the model spans every process, so all of them sample; process 0 prints
         print_samples(model, run.cfg, run.tokenizer_path)
+    run.goodput.refresh()
 
 
 def print_samples(model, cfg: TrainConfig, tokenizer_path) -> None:
@@ -1829,8 +2017,35 @@ def check_flags(cfg: TrainConfig) -> None:
     first known: start_devices, microbatches, plan_run.)"""
     check_fields(cfg)  # each field within what it accepts, however the config was made
     check_recipe_flags(cfg)
+    check_extras(cfg)  # before check_data_flags, which reads olmo_eval's task names
     check_data_flags(cfg)
     check_run_flags(cfg)
+    check_places(cfg)  # last: it may ask a bucket, once every flag that asks nothing is judged
+
+
+# The flags that name places, read or written: (flag, field, whether a comma-separated list of files and globs).
+PLACES = (
+    ("--run_dir", "run_dir", False),
+    ("--data", "data", True),
+    ("--data_root", "data_root", False),
+    ("--eval_data", "eval_data", True),
+    ("--init_from", "init_from", False),
+)
+
+
+def check_places(cfg: TrainConfig) -> None:
+    """Every URL a flag names, judged before anything is read or written: one the storage layer cannot use
+    faithfully is bad usage (data.check_url), and a bucket that does not exist stops the run in one line naming
+    the flag (data.check_bucket; not asked by a --dry_run, which reads nothing). Asks with the storage's
+    patience, which main sets first."""
+    places = [(flag, getattr(cfg, name), many) for flag, name, many in PLACES]
+    try:
+        for flag, value, many in places:
+            data.check_url(value, flag, pattern=many)
+    except data.BadURL as e:
+        raise FlagError(str(e)) from None
+    for flag, value, many in places if not cfg.dry_run else ():
+        data.check_bucket(value, flag, pattern=many)
 
 
 def check_recipe_flags(cfg: TrainConfig) -> None:
@@ -1882,8 +2097,6 @@ def check_run_flags(cfg: TrainConfig) -> None:
         raise FlagError(f"--num_slices {cfg.num_slices}: goes with --topology (a real run finds its slices)")
     if cfg.dry_run and cfg.eval_only:
         raise FlagError("--dry_run and --eval_only: choose one")
-    if cfg.tensorboard and not cfg.dry_run and importlib.util.find_spec("tensorboardX") is None:
-        raise FlagError("--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'")
     if cfg.wandb and not cfg.dry_run:
         check_wandb(cfg.wandb)
     if cfg.wandb_run and not cfg.wandb:
@@ -1895,9 +2108,7 @@ def check_run_flags(cfg: TrainConfig) -> None:
 
 
 def check_wandb(project: str) -> None:
-    """--wandb: wandb installed and importable, before anything is written."""
-    if importlib.util.find_spec("wandb") is None:
-        raise FlagError(f"--wandb {project}: needs wandb: pip install -e '.[wandb]'")
+    """--wandb: wandb (installed: check_extras) importable, before anything is written."""
     try:
         import wandb  # noqa: F401
     except Exception as e:  # a broken install: its own error, in one line
@@ -1907,10 +2118,7 @@ def check_wandb(project: str) -> None:
 
 
 def check_tasks(tasks: str) -> None:
-    """--tasks: olmo_eval installed (the eval extra), and every name one of its tasks."""
-    if importlib.util.find_spec("olmo_eval") is None:
-        named = tasks if len(tasks) < 60 else f"({tasks.count(',') + 1} tasks)"
-        raise FlagError(f"--tasks {named}: downstream tasks need olmo_eval: {data.EVAL_EXTRA}, or --tasks ''")
+    """--tasks: every name one of olmo_eval's tasks (installed: check_extras)."""
     from olmo_eval import list_tasks
 
     known = list_tasks()
@@ -1923,9 +2131,59 @@ def check_tasks(tasks: str) -> None:
             raise FlagError(f"--tasks: unknown task {name!r}; {hint}")
 
 
+# The extras of pyproject.toml a run may need, by the module whose absence check_extras refuses. The [gpu]
+# extra has none here: shard.gpu_target asks JAX for the CUDA compiler and refuses with JAX's own reason.
+EXTRA_MODULES = {
+    "eval": "olmo_eval",
+    "tpu": "libtpu",
+    "gcs": "gcsfs",  # which brings google-cloud-storage
+    "s3": "boto3",
+    "wandb": "wandb",
+    "tensorboard": "tensorboardX",
+}
+
+# URLs by scheme: the extra that reads and writes them in data.py's storage layer, and what it brings.
+URL_EXTRAS = {"gs": ("gcs", "gcsfs and google-cloud-storage"), "s3": ("s3", "boto3")}
+
+
+def extras_needed(cfg: TrainConfig) -> dict[str, str]:
+    """The extras beyond the core install (the README's quick start) that `cfg` needs, each with the line
+    refusing it where it is missing (check_extras). A dry run reads no data or tasks and writes nothing: it
+    needs only its --topology's compiler. tests/test_docs.py checks every command the pages show by this."""
+    topology = f"--topology {cfg.topology}: compiling for a"
+    if cfg.dry_run and cfg.topology.lower().partition("x")[0] in shard.GPUS:  # h200x8: shard.compile_target
+        return {"gpu": f"{topology} GPU needs the CUDA plugin: pip install -e '.[gpu]'"}
+    if cfg.dry_run:
+        return {"tpu": f"{topology} TPU needs libtpu: pip install -e '.[tpu]'"} if cfg.topology else {}
+    needs = {}
+    if cfg.tasks:
+        named = cfg.tasks if len(cfg.tasks) < 60 else f"({cfg.tasks.count(',') + 1} tasks)"
+        needs["eval"] = f"--tasks {named}: downstream tasks need olmo_eval: {data.EVAL_EXTRA}, or --tasks ''"
+    if cfg.wandb:
+        needs["wandb"] = f"--wandb {cfg.wandb}: needs wandb: pip install -e '.[wandb]'"
+    if cfg.tensorboard:
+        needs["tensorboard"] = "--tensorboard needs tensorboardX: pip install -e '.[tensorboard]'"
+    for f in dataclasses.fields(cfg):  # every flag that takes a path (--run_dir, --data_root, ...)
+        value = getattr(cfg, f.name)
+        for scheme, (extra, brings) in URL_EXTRAS.items():
+            if isinstance(value, str) and re.search(rf"\b{scheme}://", value):
+                line = f"--{f.name} {value}: {scheme}:// needs {brings}: pip install -e '.[{extra}]'"
+                needs.setdefault(extra, line)
+    return needs
+
+
+def check_extras(cfg: TrainConfig) -> None:
+    """Every extra `cfg` needs installed (extras_needed), before anything starts: the first one missing
+    refused in one line naming its flag and its install."""
+    for extra, refusal in extras_needed(cfg).items():
+        if extra in EXTRA_MODULES and importlib.util.find_spec(EXTRA_MODULES[extra]) is None:
+            raise FlagError(refusal)
+
+
 # Bad usage (exit 2): a flag's value, or flags that do not fit the run directory's checkpoints. What stops a
 # run (exit 1): a failed save, no readable checkpoint, bad data, a NaN, a run directory busy or unwritable.
-# Either is one line naming the cause.
+# Either is one line naming the cause. A hang (no step in --step_timeout) exits ckpt.HUNG_EXIT, 124, from the
+# watchdog's thread (ckpt.StepWatchdog); docs/scaling.md lists which exits a supervisor should restart.
 USAGE = (FlagError, ckpt.ResumeRefused)
 
 STOPS = (
@@ -1951,6 +2209,8 @@ def cli(argv: list[str]) -> int:
         code = 2 if isinstance(e, USAGE) else 1
         shard.exit_alone(code)  # with other processes, which may be waiting for this one: now
         return code
+    except ckpt.Preempted:  # before the first step, or in an --eval_only or owed evaluation: nothing to save
+        return 0
     except BaseException:
         if jax.distributed.is_initialized():  # a bug: its traceback, then the same exit as above
             traceback.print_exc()

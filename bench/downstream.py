@@ -160,7 +160,7 @@ def main(argv=None) -> None:
     plan = train.Plan(
         cfg, mesh, model.cfg, compute, None, [held], tasks, str(run_dir / "tokenizer.json"), {}, 1
     )
-    run = train.Run(**vars(plan), checkpoints=None, log=None, profile=ckpt.Profile("", ""))
+    run = train.Run(**vars(plan), checkpoints=None, log=None, profile=ckpt.Profile("", ""), goodput=None)
     with jax.set_mesh(mesh):
         ours, downstream_s = timed(lambda: train.downstream_row(run, model))
         lm_run = dataclasses.replace(run, cfg=dataclasses.replace(cfg, seq_len=256, eval_batches=0))

@@ -396,6 +396,28 @@ def test_save_hf_never_leaves_a_complete_looking_directory(tmp_path, monkeypatch
     assert written and not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
 
 
+def test_save_hf_finishes_an_export_cut_short_and_keeps_any_other_directory(tmp_path):
+    """A directory holding an export's files but no config.json (written last) is an export cut short (a
+    bucket cut off mid-export leaves one), not an export: save_hf writes it whole, byte for byte the export
+    into a new directory. One that holds config.json, or a file no export writes, is refused and kept."""
+    model = olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0))
+    extra = {"tokenizer.json": "{}", "tokenizer_config.json": "{}"}
+    ckpt.save_hf(model, tmp_path / "whole", dtype="bfloat16", extra=extra)
+    files = lambda folder: {p.name: p.read_bytes() for p in folder.iterdir()}
+    whole = files(tmp_path / "whole")
+    for name, left in {"cut": [], "foreign": ["notes.txt"], "done": ["config.json"]}.items():
+        (tmp_path / name).mkdir()
+        for file in ["model.safetensors", "generation_config.json", *left]:
+            (tmp_path / name / file).write_bytes(whole.get(file, b"mine")[:1000])  # the weights cut short
+    kept = {name: files(tmp_path / name) for name in ("foreign", "done")}
+    ckpt.save_hf(model, tmp_path / "cut", dtype="bfloat16", extra=extra)
+    assert files(tmp_path / "cut") == whole and not list(tmp_path.glob("*.tmp"))
+    for name in ("foreign", "done"):
+        with pytest.raises(FileExistsError, match=f"{tmp_path / name} exists and is not empty"):
+            ckpt.save_hf(model, tmp_path / name, dtype="bfloat16", extra=extra)
+        assert files(tmp_path / name) == kept[name]
+
+
 # ---- the command line: list, to-hf, from-hf
 
 
@@ -425,6 +447,43 @@ def test_list_shows_steps_and_validity_and_writes_nothing(tiny_data, tmp_path):
     assert f"{12:>10}" in out.stdout and "NO: arrays unreadable: " in out.stdout
     lines = (out.stdout + out.stderr).strip().splitlines()  # a line each, no pages of TensorStore detail
     assert len(lines) <= 4 and not any("Traceback" in line or len(line) > 400 for line in lines), lines
+
+
+def test_list_tells_a_checkpoint_removed_while_listed_from_a_damaged_one(tmp_path, monkeypatch):
+    """`ckpt.py list` on a run being trained: retention removes checkpoints while they are read, here step 1
+    whole between the listing and its read, and step 2 half-way (its model first: a removal goes in any
+    order). Each is "removed while listed", not damaged, and the listing exits 0; a damaged one is NO."""
+    saver = ckpt.Checkpoints(tmp_path, keep_last=3)
+    for step in (1, 2, 3):
+        saver.save(
+            step,
+            {"w": jnp.full((64, 64), step, jnp.float32)},
+            {"mu": jax.random.normal(jax.random.key(step), (256, 256))},
+        )
+    saver.close()
+    folder = tmp_path / "checkpoints"
+    removals = {1: lambda: shutil.rmtree(folder / "1"), 2: lambda: shutil.rmtree(folder / "2" / "model")}
+    read = ckpt.Checkpoints.read
+
+    def read_while_retention_removes(self, step, *likes):
+        removals.pop(step, lambda: None)()
+        return read(self, step, *likes)
+
+    monkeypatch.setattr(ckpt.Checkpoints, "read", read_while_retention_removes)
+    out = ckpt_py("list", tmp_path)
+    rows = [(line.split()[0], line.rsplit("  ", 1)[-1]) for line in out.stdout.splitlines()[1:]]
+    assert out.returncode == 0 and out.stderr == "", out.stdout + out.stderr
+    assert rows == [
+        ("1", "removed while listed"),
+        ("2", "removed while listed"),
+        ("3", "yes"),
+    ], out.stdout
+    shutil.rmtree(folder / "2")  # retention done
+    flip_byte(folder / "3")
+    out = ckpt_py("list", tmp_path)
+    assert out.returncode == 1 and out.stdout.splitlines()[1:][-1].endswith(
+        "NO: checksum mismatch in train: ['mu']"
+    )
 
 
 def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_path):
@@ -602,6 +661,16 @@ def test_train_py_logs_to_wandb_and_a_retaken_step_is_not_sent_again(tiny_data, 
     names = set(OLMO_CORE_SOURCE) - {"throughput/device/MFU"}  # no MFU on a CPU
     assert set(segments[0][1][4]) >= names | {"eval/lm/tiny-val/CE loss", "eval/lm/tiny-val/PPL"}
     assert_wandb_holds_each_step_once_as_metrics_jsonl(run_dir, segments, devices=8, batch=4)
+    # The run's summary: its goodput account as of each start's end, as `ckpt.py goodput` reads it (whose last
+    # record, after the plots, is a moment later): the second start took steps 3 and 4 again.
+    summary = {}
+    for log in sorted(run_dir.glob("wandb/offline-run-*/*.wandb")):  # in the order the starts ran
+        for record in (r for r in ckpt.wandb_records(log) if r.HasField("summary")):
+            summary |= {i.key: json.loads(i.value_json) for i in record.summary.update if "goodput/" in i.key}
+    account = ckpt.goodput_account(ckpt.goodput_records(str(run_dir / "goodput.jsonl")))
+    assert summary.keys() == ckpt.goodput_scalars(account).keys()
+    assert summary["goodput/steps_retaken"] == account["steps_retaken"] == 2
+    assert summary["goodput/wall_s"] == pytest.approx(account["wall_s"], abs=5)
 
 
 def test_wandb_without_the_extra_is_refused_in_one_line_before_the_run_dir(tmp_path, capsys, monkeypatch):

@@ -616,6 +616,17 @@ def test_data_root_is_a_folder_that_exists_unless_it_is_made_for_tiny(tmp_path):
     assert "with --data tiny, made if missing" in train.flags()["data_root"][1]  # what --help says
 
 
+def test_eval_data_mix_file_is_looked_for_under_data_root_as_data_mix_file_is(tmp_path):
+    """A mix file named relative to --data_root (not the working directory) is found there for --eval_data
+    as for --data, and its lines are under --data_root for both."""
+    train_file, held_file = write_token_files(tmp_path / "tok", [1000, 500])
+    (tmp_path / "train.txt").write_text("web,tok/000000.npy\n")
+    (tmp_path / "held.txt").write_text("# held-out\nc4,tok/000001.npy\n")
+    assert not os.path.exists("held.txt")  # the working directory has no such file: only --data_root does
+    got = data.resolve("train.txt", str(tmp_path), "held.txt")
+    assert got == ([train_file], {"c4": [held_file]}, None)
+
+
 def test_train_data_inputs_stop_in_one_line_naming_the_flag_or_file(tmp_path, capsys):
     (tmp_path / "empty.npy").write_bytes(b"")
     (tmp_path / "odd.npy").write_bytes(b"abc")

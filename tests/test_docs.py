@@ -3,7 +3,9 @@
 - train.py's flags are its own (its own parser, train.parse_args);
 - ckpt.py's, data.py's and bench/'s arguments are what their argparse parsers accept, spelled out (the script
   runs up to its parser and no further);
-- pip's extras are pyproject.toml's, and the repository's files it names exist.
+- pip's extras are pyproject.toml's, and the repository's files it names exist;
+- the install line shown before it (else the quick start's) brings every extra it needs, as train.py decides
+  that (train.extras_needed) and refuses a run without one.
 Every relative link resolves, every `train.NAME` (data., ckpt., olmo3., shard.) a page names exists, the
 README stays a front door, and .ci/run runs the README's test command."""
 
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 LANGUAGES = ("bash", "console", "text")
+EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 PYTHON = re.compile(r"(\S*/)?python3?")
 MODULES = ("train", "data", "ckpt", "olmo3", "shard")
 
@@ -137,16 +140,19 @@ def repository_files(words: list[str]) -> None:
 
 
 def pip_extras(words: list[str]) -> None:
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     for word in words:
         if word.startswith(".["):
-            unknown = set(word[2:-1].split(",")) - set(extras)
+            unknown = set(word[2:-1].split(",")) - set(EXTRAS)
             assert not unknown, f"pip install -e '{word}': no extra {unknown} in pyproject.toml"
 
 
+def without_more(words: list[str]) -> list[str]:
+    """A bare `...` stands for "more flags"; after a flag that takes a value, it is the value."""
+    return [w for i, w in enumerate(words) if w != "..." or (i and re.fullmatch(r"--\w+", words[i - 1]))]
+
+
 def check(words: list[str], monkeypatch) -> None:
-    # A bare `...` stands for "more flags"; after a flag that takes a value, it is the value.
-    words = [w for i, w in enumerate(words) if w != "..." or (i and re.fullmatch(r"--\w+", words[i - 1]))]
+    words = without_more(words)
     if words[0].startswith("--"):  # a line of train.py's flags alone
         return train_accepts(words)
     at = next((i for i, w in enumerate(words) if PYTHON.fullmatch(w)), None)
@@ -172,6 +178,101 @@ def check(words: list[str], monkeypatch) -> None:
 @pytest.mark.parametrize("words", all_commands())
 def test_every_command_shown_parses(words, untouched):
     check(words, untouched)
+
+
+def requirements(extras) -> set[str]:
+    """What installing the project with `extras` brings beyond its core, an extra's own extras
+    (`olmo3-jax[gcs,s3]`) opened."""
+    out = set()
+    for extra in extras:
+        for requirement in EXTRAS[extra]:
+            own = re.fullmatch(r"olmo3-jax\[(.+)\]", requirement)
+            out |= requirements(own[1].split(",")) if own else {requirement}
+    return out
+
+
+def project_install(words: list[str]) -> set[str] | None:
+    """The extras a `pip install -e .` or `-e '.[a,b]'` of this project names; None for any other command."""
+    ours = [w for w in words if w == "." or w.startswith(".[")]
+    if not words[0].endswith("pip") or not ours:
+        return None
+    return set() if ours[0] == "." else set(ours[0][2:-1].split(","))
+
+
+def extras_needed(words: list[str]) -> dict[str, str]:
+    """The extras a `python SCRIPT ...` command needs, each with the line its absence is refused in:
+    train.py's from its config, as train.py refuses them (train.extras_needed); another script's by the URLs
+    it is given (train.URL_EXTRAS: the storage layer's)."""
+    at = next((i for i, w in enumerate(words) if PYTHON.fullmatch(w)), None)
+    if at is None or words[at + 1] in ("-c", "-m"):
+        return {}
+    script, *argv = words[at + 1 :]
+    if script == "train.py":
+        return {} if {"-h", "--help"} & set(argv) else train.extras_needed(train.parse_args(argv))
+    return {
+        extra: f"{word}: {scheme}:// needs the [{extra}] extra"
+        for word in argv
+        for scheme, (extra, _) in train.URL_EXTRAS.items()
+        if re.search(rf"\b{scheme}://", word)
+    }
+
+
+def after_installs(lines: list[tuple[int, str]]) -> list[tuple[int, list[str], set[str]]]:
+    """Each command of `lines` (a page's, in order, each with where it is) with the extras that the nearest
+    install line before it installs: where there is none, the quick start's core install. An install of the
+    test extra sets up the tests, not the runs a page shows after it."""
+    found, installed = [], set()
+    for at, line in lines:
+        for words in map(without_more, simple_commands(line)):
+            if (extras := project_install(words)) is not None:
+                installed = installed if "test" in extras else extras
+            elif not words[0].startswith("--"):  # a line of flags alone is no command
+                found.append((at, words, installed))
+    return found
+
+
+def refused(words: list[str], installed: set[str]) -> list[str]:
+    """The lines train.py (or the storage layer) would refuse `words` in, after installing `installed`."""
+    have = requirements(installed)
+    return [why for extra, why in extras_needed(words).items() if not requirements([extra]) <= have]
+
+
+def commands_after_their_install() -> list:
+    found = []
+    for page in PAGES:
+        lines = [(at, c) for at, lang, text in fenced_blocks(page) for c in command_lines(lang, text)]
+        for at, words, installed in after_installs(lines):
+            shown = f"{shlex.join(words)[:70]} after [{','.join(sorted(installed))}]"
+            found.append(pytest.param(words, installed, id=f"{name(page)}:{at} {shown}"))
+    return found
+
+
+@pytest.mark.parametrize("words,installed", commands_after_their_install())
+def test_every_command_shown_works_after_the_install_shown_with_it(words, installed):
+    """`--preset 7b` needs the eval extra (its tasks), a dry run for a TPU the tpu extra, a gs:// path the
+    gcs extra, ...: each as train.py refuses its absence, installed by the install line the reader just ran."""
+    assert refused(words, installed) == [], f"after installing [{','.join(sorted(installed))}]"
+
+
+def test_a_command_without_its_extra_is_caught():
+    """The README's stage 1 as it was: after the quick start's core install, and the tests' install."""
+    lines = [
+        ".venv/bin/pip install -e .",
+        "python train.py --preset tiny",
+        "pip install -e '.[test]' && python -m pytest",
+        "python train.py --preset 7b --data mix.txt",
+        "python train.py --preset 7b --dry_run --topology v5p-512",
+        "python ckpt.py list gs://bucket/run",
+        "pip install -e '.[wandb,gcs]' && python train.py --preset tiny --wandb p --run_dir gs://b/r",
+    ]
+    assert [refused(words, installed) for _, words, installed in after_installs(enumerate(lines))] == [
+        [],
+        [],
+        ["--tasks (26 tasks): downstream tasks need olmo_eval: pip install -e '.[eval]', or --tasks ''"],
+        ["--topology v5p-512: compiling for a TPU needs libtpu: pip install -e '.[tpu]'"],
+        ["gs://bucket/run: gs:// needs the [gcs] extra"],
+        [],
+    ]
 
 
 @pytest.mark.parametrize(

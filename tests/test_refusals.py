@@ -19,6 +19,7 @@ from damage import flip_byte
 import ckpt
 import data
 import olmo3
+import shard
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,21 +217,22 @@ def test_eval_only_given_checkpoints_and_other_weights_is_refused_as_ambiguous(
     assert {p: p.read_bytes() for p in four_steps.rglob("*") if p.is_file()} == before
 
 
-def test_a_damaged_init_from_step_stops_in_one_line_and_leaves_no_checkpoints_folder(
+def test_a_damaged_init_from_step_stops_in_one_line_and_leaves_no_run_directory(
     four_steps, tiny_data, tmp_path
 ):
     """The sweep's case: --init_from RUN@STEP whose arrays fail their checksums (its metadata reads, so the
-    start is accepted) stops when it is read, naming it, and the new run directory keeps no empty checkpoints/
-    (which would make it look like a run to --init_from and `list`)."""
+    start is accepted) stops when it is read, naming it, and leaves no run directory (docs/stages.md): not the
+    folders it made for one (an empty checkpoints/ would make it look like a run to --init_from and `list`),
+    while the folder that was there before stays."""
     source = tmp_path / "source"
     shutil.copytree(four_steps, source)
     flip_byte(source / "checkpoints" / "4")
-    new = tmp_path / "new"
+    new = tmp_path / "new" / "run"  # two folders made for it
     argv = [*FLAGS, "--steps", "6", "--data_root", str(tiny_data), "--run_dir", str(new)]
     out = train_py([*argv, "--init_from", f"{source}@4"])
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
     assert out.stderr.startswith(f"error: --init_from {source}@4: ") and "checksum mismatch" in out.stderr
-    assert not (new / "checkpoints").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
 
 
 def test_the_sweeps_smaller_storage_cases_each_get_their_line(tmp_path, tiny_data):
@@ -259,3 +261,20 @@ def test_a_profile_of_steps_a_resume_is_past_says_so(four_steps, tiny_data, tmp_
     later.dispatching(6)
     later.finished(6)
     assert list((tmp_path / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+
+
+def test_a_7b_on_cpu_devices_is_refused_in_one_line_before_anything_is_written(tmp_path, monkeypatch):
+    """The 7B preset on devices that turned out to be CPUs (as on a TPU VM where libtpu did not load): one
+    line naming the devices found and the dry run, exit 2, before the model is built or the run directory
+    made. A dry run on the same devices is not refused."""
+    monkeypatch.setattr(train, "plan_run", lambda *a: pytest.fail("refused only once the run was planned"))
+    # --tasks '': checking the preset's 26 task names would import olmo_eval and torch (5 s) first
+    out = train_py(["--preset", "7b", "--tasks", "", "--run_dir", tmp_path / "run"])
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert out.stderr.startswith(
+        f"error: --preset 7b: {7_298_617_344:,} parameters, too many for the devices"
+    )
+    assert f"{jax.device_count()} CPU devices" in out.stderr and "--dry_run --topology v5p-512" in out.stderr
+    assert not (tmp_path / "run").exists()
+    cfg = train.parse_args(["--preset", "7b", "--dry_run"])
+    train.check_devices_suffice(cfg, shard.make_mesh(cfg.mesh, jax.devices()), 7_298_617_344)

@@ -366,7 +366,8 @@ def test_a_missing_or_refused_url_is_one_line_naming_it(tmp_path, http_server, g
             lambda: data.TokenLoader([f"s3://{bucket}/nope.npy"], SEQ, 1, dtype=DTYPE),
             f"token file s3://{bucket}/nope.npy does not exist",
         ),
-        (lambda: data.resolve(f"s3://{bucket}-gone/*.npy"), f"s3://{bucket}-gone/: listing failed: "),
+        (lambda: data.resolve(f"s3://{bucket}-gone/*.npy"), f"s3://{bucket}-gone: no such bucket"),
+        (lambda: data.resolve(f"gs://{bucket}-gone/*.npy"), f"gs://{bucket}-gone: no such bucket"),
         (
             lambda: data.TokenLoader(["ftp://host/x.npy"], SEQ, 1),
             "ftp://host/x.npy: expected a local path or gs://",

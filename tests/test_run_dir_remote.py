@@ -10,6 +10,7 @@ which XProf and Perfetto read; every command's paths in and out of the bucket. A
 
 import gzip
 import json
+import logging
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+import types
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -123,23 +125,33 @@ def test_a_run_on_gcs_killed_mid_save_resumes_bitwise_and_sets_aside_a_corrupt_c
 def test_sigterm_on_gcs_saves_at_the_next_step_exits_0_and_the_rerun_is_bitwise(
     tiny_data, uninterrupted, bucket
 ):
-    """A preemption's SIGTERM to a run on gs://: it saves at the next step boundary and exits 0, and the rerun
-    resumes there and ends bit for bit the uninterrupted run. The signal is sent once the run holds its lock,
-    which it takes after its signal handler is in place."""
+    """A preemption's SIGTERM to a run on gs://. Once the run holds its lock (taken after its signal handler
+    is in place), before its first step: it exits 0 at once, its lock released (a restart on other hosts need
+    not wait out the lease). Once it has saved step 3: it saves at the next step boundary and exits 0, and
+    the rerun resumes there and ends bit for bit the uninterrupted run."""
     url = f"gs://{bucket.name}/run"
-    proc = run(url, tiny_data, wait=False)
-    deadline = time.time() + 300
-    while not bucket.blob("run/lock").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "exiting for the preemption" in stdout, stderr[-3000:]
+    for sign_of_it in ("run/lock", f"run/checkpoints/3/{ckpt.COMMIT_MARKER}"):
+        proc = run(url, tiny_data, wait=False)
+        deadline = time.time() + 300
+        while not bucket.blob(sign_of_it).exists():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert not bucket.blob("run/lock").exists()
+    assert "exiting for the preemption" in stdout, stderr[-3000:]
     [saved] = [r["step"] for r in ckpt.list_checkpoints(url)][-1:]
     assert 1 <= saved < STEPS and [r["step"] for r in rows(url) if "loss" in r] == list(range(1, saved + 1))
     out = run(url, tiny_data)
     assert out.returncode == 0 and f"(step {saved})" in out.stdout, out.stderr[-3000:]
     assert_same_as_reference(url, uninterrupted)
+    # The goodput account, written and read in the bucket: every step kept, none trained twice (a SIGTERM
+    # saves the step it stops at), the parts summing to the wall time; its plot drawn there.
+    account = ckpt.goodput_account(ckpt.goodput_records(f"{url}/goodput.jsonl"))
+    assert account["steps_kept"] == STEPS and account["steps_retaken"] == 0 and len(account["starts"]) >= 2
+    assert account["kept_s"] + sum(account["badput_s"].values()) == pytest.approx(account["wall_s"])
+    assert ckpt.main(["goodput", url]) == 0 and bucket.blob("run/goodput.png").exists()
 
 
 def readers_take_gs(url: str, reference, tiny_data, bucket, tmp_path):
@@ -375,6 +387,29 @@ def two_checkpoints(url: str) -> list:
     return [jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in models]
 
 
+def test_an_export_cut_off_by_an_outage_is_finished_by_the_same_command(
+    bucket, gcs_proxy, tmp_path, capsys, monkeypatch
+):
+    """`ckpt.py to-hf` into a bucket that goes out after the export's first files stops in one line, config.json
+    (written last) unwritten; once the bucket answers, the same command writes the export whole: the files of
+    the export into a local directory, byte for byte."""
+    monkeypatch.setattr(data, "PATIENCE_S", data.PATIENCE_S)  # (ckpt.main sets it)
+    run_dir, out = tmp_path / "run", f"gs://{bucket.name}/hf"
+    ckpt.write_first_step(str(run_dir), olmo3.Olmo3(olmo3.MODELS["tiny"], key=jax.random.key(0)), None)
+    assert ckpt.main(["to-hf", str(run_dir), str(tmp_path / "hf")]) == 0  # in fair weather, locally
+    outage_after(gcs_proxy, servers.upload("hf/generation_config.json"), seconds=None)
+    assert ckpt.main(["to-hf", str(run_dir), out, "--storage_patience", "0.2"]) == 1
+    gcs_proxy.clear()
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out}/config.json: ") and err.count("\n") == 1, err
+    assert names_under(bucket, "hf/") == {"model.safetensors", "generation_config.json"}  # cut short
+    assert ckpt.main(["to-hf", str(run_dir), out]) == 0, capsys.readouterr().err
+    local = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    assert {
+        name: bucket.blob(f"hf/{name}").download_as_bytes() for name in names_under(bucket, "hf/")
+    } == local
+
+
 def test_503s_throughout_a_restore_set_nothing_aside_and_roll_nothing_back(bucket, gcs_proxy, tiny_data):
     """Every read of a checkpoint's objects (their listing aside) answered 503 while a run restores: it stops in
     one line naming the checkpoint's object and the outage; it moves nothing to quarantined/ and never falls back to the older one.
@@ -394,6 +429,63 @@ def test_503s_throughout_a_restore_set_nothing_aside_and_roll_nothing_back(bucke
     assert [r["step"] for r in ckpt.list_checkpoints(url)] == [1, 2]
     out = run(url, tiny_data, "--steps", "2")
     assert out.returncode == 0 and "run already complete: step 2" in out.stdout, out.stderr[-3000:]
+
+
+def test_orbax_detail_that_cannot_reach_log_txt_is_dropped_in_one_line(
+    bucket, gcs_proxy, capsys, monkeypatch
+):
+    """While the bucket is down, Orbax's failure detail (its log records, the late report of its closed event
+    loop) cannot reach RUN_DIR/log.txt: each piece is tried once, not for a patience (which would delay the
+    stop), and dropped; one line says so, never a traceback. Once the bucket answers, detail reaches the log."""
+    log, absl = f"gs://{bucket.name}/detail/log.txt", logging.getLogger("absl")
+    for owner, name in [(sys, "unraisablehook"), (absl, "propagate"), (data, "PATIENCE_S")]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    monkeypatch.setattr(absl, "handlers", list(absl.handlers))
+    data.set_patience(5)
+    ckpt._orbax_detail_to(log)
+    closed = RuntimeError("Event loop is closed")
+    late = types.SimpleNamespace(exc_type=RuntimeError, exc_value=closed, exc_traceback=None, object=None)
+    start = time.monotonic()
+    with gcs_proxy.outage():
+        for _ in range(2):
+            try:
+                raise ValueError("UNAVAILABLE: reading an array")
+            except ValueError:
+                absl.exception("Orbax's detail")
+            sys.unraisablehook(late)
+    assert time.monotonic() - start < data.PATIENCE_S  # four pieces, none waited a patience
+    dropped = f"also: Orbax's failure detail dropped: {log} not written (503 Service Unavailable)"
+    assert capsys.readouterr().err.splitlines() == [dropped]
+    absl.error("after the outage")
+    assert data.read_text(log).endswith("after the outage\n") and not capsys.readouterr().err
+
+
+def test_a_restore_cut_off_by_an_outage_is_named_and_stops_in_one_patience(bucket, gcs_proxy, tiny_data):
+    """The bucket goes out as a run that holds its lock reads its newest checkpoint: the restore is the failure
+    named, in the one error line; the lock's release, tried once (the patience is spent), an `also:` line; no
+    traceback. Nothing is set aside."""
+    url = f"gs://{bucket.name}/cut"
+    two_checkpoints(url)
+    locked = []
+
+    def once_locked_an_array_read(method, path, body):
+        if servers.CREATE_IF_ABSENT(method, path, body) and b"cut/lock" in body:
+            locked.append(path)
+        return bool(locked) and servers.READ(method, path, body) and "manifest" in path
+
+    outage_after(gcs_proxy, once_locked_an_array_read, seconds=10**6)  # (gcs_proxy ends it after the test)
+    out = run(url, tiny_data, "--steps", "2", "--storage_patience", "2")
+    said = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 1 and len(said) == 1, out.stderr[-3000:]
+    assert said[0].startswith(f"error: {url}/checkpoints/2") and "no answer but transient ones" in said[0]
+    assert f"also: {url}/lock not released (503 Service Unavailable)" in out.stderr
+    for trace in ("Traceback", "Logging error", "Exception ignored"):
+        assert trace not in out.stderr, out.stderr[-3000:]
+    assert sum(status == 503 for _, path, status in gcs_proxy.log if "cut%2Flock" in path) == 1  # tried once
+    gcs_proxy.clear()
+    assert [r["step"] for r in ckpt.list_checkpoints(url)] == [1, 2] and not names_under(
+        bucket, "cut/quarantined/"
+    )
 
 
 def test_a_read_only_account_reads_a_finished_run_and_scores_it_without_a_write(

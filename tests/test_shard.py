@@ -425,10 +425,10 @@ def test_initialize_starts_jax_distributed_only_where_there_are_several_hosts(mo
 
 
 def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=(), env=None):
-    """`train.py --preset tiny` (and `flags`) as `processes` processes that share 8 CPU devices; `faults`, one
-    per process, runs it through tests/faults.py (e.g. ["none:0", "during_save:4"]); `env`: variables added."""
+    """`train.py --preset tiny` (and `flags`, which override the flags here) as `processes` processes that share
+    8 CPU devices; `faults`, one per process, runs it through tests/faults.py (e.g. ["none:0", "during_save:4"]);
+    `env`: variables added."""
     args = [
-        *flags,
         "--preset",
         "tiny",
         "--seq_len",
@@ -449,6 +449,7 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=(), env=N
         "tiny",  # the corpus's training files and tokenizer (the downstream tasks need it), its held-out set
         "--data_root",
         str(tiny_data),
+        *flags,
     ]
     env = with_cpu_devices(8 // processes, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1", **(env or {}))
     if processes > 1:
