@@ -1791,6 +1791,9 @@ class RunLock:
                 self._take(job)
             except RunDirError as e:  # every process stops, not only process 0
                 error = e
+            except BaseException:  # a signal while it was taken: the lock, if written, is not left behind
+                self.release()
+                raise
         # 0: process 0 could not take it; 1: it holds the lock; 2: none is needed (nothing may be written)
         outcome = 0 if error else 1 if self.held else 2
         if many:
@@ -1865,17 +1868,19 @@ class RunLock:
         }
         seen = 0  # the lock there is to replace: 0, none; else a stale one, as read (its generation on gs://)
         for _ in range(3):
+            self.held = me  # before the write: a signal midway (Preempted) finds a lock of ours to remove
             try:
                 taken = self._put(me, seen)
             except data.StorageRefused:  # a bucket this account may only read: as a read-only mount
+                self.held = None
                 return
             if taken:
-                self.held = me
                 RunLock.held_here.append(self)
                 if self.remote:
                     self.renewer = threading.Thread(target=self._renew_until_released, daemon=True)
                     self.renewer.start()
                 return
+            self.held = None
             holder, generation = self._read()
             if holder and not self._stale(holder, me):
                 raise RunDirBusy(self._busy(holder, me))

@@ -1115,8 +1115,8 @@ def use_compilation_cache(path: str) -> None:
         compilation_cache.reset_cache()  # JAX opens its cache once: a process that compiled before (a test's)
 
 
-def compile_watched(compile_fn) -> tuple[float, dict]:
-    """`compile_fn()` (a jit's .lower(...).compile()) timed: its seconds, and what it compiled, as JAX's events
+def compile_watched(compile_fn) -> tuple[object, float, dict]:
+    """`compile_fn()` (a jit's .lower(...).compile()) timed: what it returns, its seconds, and what it compiled, as JAX's events
     in this thread tell: "compiles" (programs handed to XLA or found in the persistent compilation cache; none
     where this process compiled it before), "hits" (found there) and "writes" (compiled, then stored there:
     JAX names that event "cache_misses")."""
@@ -1135,11 +1135,11 @@ def compile_watched(compile_fn) -> tuple[float, dict]:
     jax.monitoring.register_event_duration_secs_listener(count)
     start = time.perf_counter()
     try:
-        compile_fn()
+        compiled = compile_fn()
     finally:
         jax.monitoring.unregister_event_listener(count)
         jax.monitoring.unregister_event_duration_listener(count)
-    return time.perf_counter() - start, counts
+    return compiled, time.perf_counter() - start, counts
 
 
 def compiler(device) -> dict:

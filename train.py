@@ -22,6 +22,7 @@ import re
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import equinox as eqx
@@ -558,7 +559,8 @@ def take_step(run: "Run", step: int, model, opt, batch: "Batch"):
     """Dispatch optimizer step `step` (1, 2, ...) on `batch` (read_batches); returns at once."""
     lr = jnp.float32(lr_at(step, run.cfg))
     run.profile.dispatching(step)  # --profile
-    return train_step(
+    step_fn = run.compiled_step or train_step  # set_up's compile: filter_jit's call waits for the step's end
+    return step_fn(
         model, opt, batch.tokens, lr, cfg=run.cfg, n_micro=run.n_micro, mesh=run.mesh, **batch.extras
     )
 
@@ -831,7 +833,7 @@ class Run(Plan):
     log: ckpt.MetricsLog
     profile: ckpt.Profile
     goodput: ckpt.Goodput  # where this start's seconds go (RUN_DIR/goodput.jsonl)
-    compile_s: float = 0.0  # the train step's compile (compiled_step), from the cache or not; 0: none
+    compiled_step: Callable | None = None  # the train step as set_up compiled it (compiled_step), or none
 
 
 @dataclass(frozen=True)
@@ -914,7 +916,7 @@ def set_up(plan: Plan, target) -> tuple[Run, tuple]:
         tune = lambda options: compile_step(cfg, mesh, plan.model_cfg, run.compute, run.n_micro, options)
         ckpt.autotuned_gemms(cfg.run_dir, mesh.devices.flat[0], tune, say)
     if trains:
-        run = dataclasses.replace(run, compile_s=compiled_step(run, *state[1:3]))
+        run = dataclasses.replace(run, compiled_step=compiled_step(run, *state[1:3]))
         run.goodput.store()  # the start's first record: its start, restore and compiles
     if owed:  # on the model restored, which is that step's: the row an uninterrupted run has
         evaluate(run, state[0], state[1])
@@ -1528,10 +1530,12 @@ def compile_step(
     return compiled, {"parameters (fp32)": params, "optimizer state (fp32)": opt, "batch": (batch, packed)}
 
 
-def compiled_step(run: Run, model, opt) -> float:
-    """Compile the loop's train step before step 1, for the arguments take_step passes it (zeros in the
-    batch's place: nothing runs), so that its first call finds it compiled; say how long that took and
-    whether --compile_cache held it (shard.compile_watched). Returns the seconds."""
+def compiled_step(run: Run, model, opt):
+    """The loop's train step compiled before step 1, for the arguments take_step passes it (zeros in the
+    batch's place: nothing runs); say how long that took and whether --compile_cache held it
+    (shard.compile_watched). The loop calls it as compiled, not through filter_jit, whose every call waits for
+    the step to end (equinox 0.13 does, to raise the step's runtime errors): so step k + 1 is dispatched while
+    the host reads step k's numbers, and the devices never wait for the host."""
     cfg, mesh = run.cfg, run.mesh
     rows = lambda dtype, *row: jnp.zeros(
         (cfg.global_batch, *row), dtype, device=shard.batch_sharding(mesh, 1 + len(row))
@@ -1543,7 +1547,7 @@ def compiled_step(run: Run, model, opt) -> float:
     lowered = lambda: train_step.lower(*args, cfg=cfg, n_micro=run.n_micro, mesh=mesh, **extras)
     with warnings.catch_warnings():  # as in the loop: the int batch's buffer cannot take a float's place
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        seconds, did = shard.compile_watched(lambda: lowered().compile())
+        compiled, seconds, did = shard.compile_watched(lambda: lowered().compile())
     where = "compiled afresh"
     if not did["compiles"]:
         where = "compiled before in this process"
@@ -1554,7 +1558,7 @@ def compiled_step(run: Run, model, opt) -> float:
     elif not cfg.compile_cache:
         where += "; --compile_cache is off"
     say(f"compiled the step in {seconds:.1f} s ({where})")
-    return seconds
+    return compiled
 
 
 # ---------------------------------------------------------------------------------------------------------

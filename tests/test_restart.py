@@ -127,7 +127,7 @@ def test_the_compilation_cache_may_be_in_a_bucket(gcs_emulator, compile_cache):
     did = []
     for _ in range(2):
         jax.clear_caches()  # as a new process: nothing compiled yet
-        did.append(shard.compile_watched(compile_it)[1])
+        did.append(shard.compile_watched(compile_it)[2])
     assert did == [dict(compiles=1, hits=0, writes=1), dict(compiles=1, hits=1, writes=0)]
     names = [blob.name.split("-")[0] for blob in bucket.list_blobs()]
     assert names == ["jax/jit__lambda"]  # the program alone: no eviction's access times
