@@ -476,6 +476,8 @@ class Checkpoints:
             raise _unreadable(data.join(self.dir, str(step)), "array metadata", e) from e
         abstract = {}
         for k in stored:
+            if k not in set(metadata.keys()):  # its meta names it: removed by hand (retention: list tells)
+                raise CorruptCheckpoint(f"its {k} arrays are missing")
             like = wanted[k]
             if like is None:
                 like = on_first_device(
@@ -483,12 +485,8 @@ class Checkpoints:
                 )
             abstract[k] = eqx.filter(like, is_array)
         for k in stored:  # a sound checkpoint of another shape is refused, never taken for a corrupt one
-            saved = metadata[k].tree if k in set(metadata.keys()) else None  # missing: the restore says so
-            if (
-                saved is not None
-                and wanted[k] is not None
-                and (diff := _shape_differences(saved, abstract[k]))
-            ):
+            saved = metadata[k].tree
+            if wanted[k] is not None and (diff := _shape_differences(saved, abstract[k])):
                 raise ResumeRefused(
                     f"{data.join(self.dir, str(step))} holds a {k} of other shapes: {diff} (saved vs now); it is sound "
                     "and stays where it is: resume with the recipe that wrote it, or use another --run_dir"

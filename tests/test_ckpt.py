@@ -484,6 +484,13 @@ def test_list_tells_a_checkpoint_removed_while_listed_from_a_damaged_one(tmp_pat
     assert out.returncode == 1 and out.stdout.splitlines()[1:][-1].endswith(
         "NO: checksum mismatch in train: ['mu']"
     )
+    saver = ckpt.Checkpoints(tmp_path, keep_last=3)
+    saver.save(4, {"w": jnp.ones((64, 64))}, {"mu": jnp.ones((256, 256))})
+    saver.close()
+    shutil.rmtree(folder / "4" / "model")  # by hand, not by retention: the step stays, damaged
+    out = ckpt_py("list", tmp_path)
+    assert out.returncode == 1 and out.stderr == "", out.stderr
+    assert out.stdout.splitlines()[-1].endswith("NO: its model arrays are missing"), out.stdout
 
 
 def test_read_commands_name_their_real_error_in_one_line_and_create_nothing(tmp_path):
