@@ -2,7 +2,7 @@
 
     python tests/faults.py MOMENT:STEP [train.py flags...]
 
-mid_step:S      SIGKILL right after step S is dispatched, before its results are read
+mid_step:S      SIGKILL right after step S is dispatched (the checkpoint before it committed), before its results are read
 raise:S         an exception (a bug) in step S
 during_save:S   SIGKILL while checkpoint S is being written in the background
 after_commit:S  SIGKILL right after checkpoint S is committed
@@ -64,6 +64,7 @@ def take_step(run, step, *args, **kwargs):
         hashlib.pbkdf2_hmac("sha256", b"", b"", 10**8)  # about a minute in C, the GIL released
     out = real_take_step(run, step, *args, **kwargs)
     if moment == "mid_step" and step == at:
+        run.checkpoints.wait()  # the checkpoint before it committed: the step's dispatch does not wait
         kill()
     if moment == "raise" and step == at:
         raise RuntimeError("injected")

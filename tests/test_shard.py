@@ -510,13 +510,13 @@ def metrics(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_on_a_bucket_survive_losing_one_mid_save_and_a_10_s_outage(
+def test_two_processes_on_a_bucket_survive_losing_one_mid_save_and_a_30_s_outage(
     tmp_path, tiny_data, gcs_emulator, gcs_proxy
 ):
     """A pod's hosts rehearsed on one machine: 2 processes x 4 CPU devices through jax.distributed train one
     gs:// run directory (each writes its shards of every checkpoint there) behind the tests' FaultProxy. One is
     killed while checkpoint 4 is written: the other stops (it does not hang), and the two restarted resume from
-    checkpoint 2 and take steps 3 and 4 again bit for bit; after step 5 the bucket is out for 10 s, and they
+    checkpoint 2 and take steps 3 and 4 again bit for bit; after step 5 the bucket is out for 30 s, and they
     ride it out. The finished run, a downstream task evaluated at its end, against 1 process x 8 devices on a
     local disk, same mesh."""
     bucket = gcs_emulator.create_bucket(f"pod-{time.time_ns()}")
@@ -546,7 +546,7 @@ def test_two_processes_on_a_bucket_survive_losing_one_mid_save_and_a_10_s_outage
         time.sleep(0.2)
     with gcs_proxy.outage():  # both hold after step 5 until `go`; then step 6, its save and the evaluation
         go.touch()
-        time.sleep(10)
+        time.sleep(30)
     lead, other = finish(pair)
     assert sum(status == 503 for *_, status in gcs_proxy.log) > 0  # the outage met the pair's requests
     assert "resuming from" in lead and "(step 2)" in lead
@@ -586,7 +586,9 @@ def test_two_processes_on_a_bucket_survive_losing_one_mid_save_and_a_10_s_outage
 def test_one_process_failing_stops_the_others(tmp_path, tiny_data):
     """A bug in one process while the other waits in step 3's collectives: the failing one prints its
     traceback and exits 1 at once (JAX's orderly shutdown would wait for the other forever, and the other for
-    it), and the other stops within --heartbeat_timeout (10 s here), saying another task died."""
+    it), and the other stops within --heartbeat_timeout (10 s here), saying another task died; or at once,
+    where the failing one left while its step's collectives were in flight (the loop does not wait for a step
+    before dispatching the next): on CPUs, Gloo's connection to it is reset."""
     waiting, failing = launch(tmp_path / "run", 4, tiny_data, processes=2, faults=["none:0", "raise:3"])
     try:
         out = failing.communicate(timeout=240)[0]
@@ -596,7 +598,8 @@ def test_one_process_failing_stops_the_others(tmp_path, tiny_data):
         for p in (waiting, failing):
             p.kill()
     assert failing.returncode == 1 and "RuntimeError: injected" in out, out[-3000:]
-    assert waiting.returncode not in (0, None) and "another task died" in other, other[-3000:]
+    stopped = "another task died" in other or "Connection reset by peer" in other
+    assert waiting.returncode not in (0, None) and stopped, other[-3000:]
     assert time.time() - t0 < 90
 
 
