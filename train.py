@@ -826,7 +826,7 @@ class Plan:
 @dataclass(frozen=True)
 class Run(Plan):
     """A run under way, built whole by set_up (open_run): its plan, the run directory opened (its checkpoints
-    and metrics log), the profiler, this start's goodput account, the seconds set_up took to compile the step.
+    and metrics log), the profiler, this start's goodput account, the train step as set_up compiled it.
     The loop's seams take it."""
 
     checkpoints: ckpt.Checkpoints

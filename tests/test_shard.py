@@ -474,9 +474,10 @@ def launch(run_dir, steps, tiny_data, *, processes, faults=None, flags=(), env=N
     ]
 
 
-def finish(procs, timeout: float = 300) -> list[str]:
-    """Each process's output, once all have exited 0. One still running after `timeout` seconds is stopped
-    with SIGABRT, so that Python's faulthandler (on in launch) prints where every thread of it waited."""
+def ended(procs, timeout: float = 300) -> list[str]:
+    """Each process's output once all have exited. One still running after `timeout` seconds is stopped with
+    SIGABRT, so that Python's faulthandler (on in launch) prints where every thread of it waited, and the
+    test fails."""
     deadline, outs = time.time() + timeout, []
     for p in procs:
         try:
@@ -486,6 +487,12 @@ def finish(procs, timeout: float = 300) -> list[str]:
                 q.send_signal(signal.SIGABRT)
             tails = [f"process {i}:\n{q.communicate()[0][-6000:]}" for i, q in enumerate(procs)]
             raise AssertionError(f"still running after {timeout} s\n" + "\n".join(tails)) from None
+    return outs
+
+
+def finish(procs, timeout: float = 300) -> list[str]:
+    """Each process's output, once all have exited 0 (ended)."""
+    outs = ended(procs, timeout)
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     return outs

@@ -4,15 +4,13 @@ process and on two (one hung, the other waiting for it in the step's collectives
 bit."""
 
 import re
-import signal
-import subprocess
 import threading
 import time
 
 import pytest
 from commands import COMPARED, rows, run
 from test_resume import assert_same_as_reference
-from test_shard import finish, launch
+from test_shard import ended, finish, launch
 
 import ckpt
 
@@ -30,21 +28,6 @@ def reports(log: str) -> dict[int, str]:
     """log.txt's hang reports (StepWatchdog's), each from its first line on, by process index."""
     parts = re.split(r"^\S+ \S+ (?=process (\d+) of \d+ \()", log, flags=re.MULTILINE)
     return {int(i): text for i, text in zip(parts[1::2], parts[2::2], strict=True)}
-
-
-def ended(procs, timeout: float = 300) -> list[str]:
-    """Each process's output once all have exited; if one still runs after `timeout` seconds, all are stopped
-    with SIGABRT (faulthandler, on in test_shard.launch, prints where each thread waited) and the test fails."""
-    deadline, outs = time.time() + timeout, []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.send_signal(signal.SIGABRT)
-        tails = [f"process {i}:\n{p.communicate()[0][-6000:]}" for i, p in enumerate(procs)]
-        raise AssertionError(f"still running after {timeout} s\n" + "\n".join(tails)) from None
-    return outs
 
 
 def test_the_watchdog_times_steps_only(monkeypatch, tmp_path):
