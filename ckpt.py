@@ -1776,6 +1776,13 @@ class RunLock:
         self.renewing, self.renewer = threading.Event(), None
 
     def __enter__(self):
+        try:
+            return self._enter()
+        except BaseException:  # a signal while it was taken, or a peer's refusal: no lock of ours left behind
+            self.release()
+            raise
+
+    def _enter(self):
         from jax.experimental import multihost_utils
 
         many = jax.process_count() > 1
@@ -1789,9 +1796,6 @@ class RunLock:
                 self._take(job)
             except RunDirError as e:  # every process stops, not only process 0
                 error = e
-            except BaseException:  # a signal while it was taken: the lock, if written, is not left behind
-                self.release()
-                raise
         # 0: process 0 could not take it; 1: it holds the lock; 2: none is needed (nothing may be written)
         outcome = 0 if error else 1 if self.held else 2
         if many:
@@ -1826,7 +1830,8 @@ class RunLock:
         """Stop renewing the lock, and remove it if it is still ours (not taken over)."""
         if self.renewer is not None:  # stopped, and its renewal in flight finished: the generation is final
             self.renewing.set()
-            self.renewer.join()
+            if self.renewer.is_alive():  # not yet, where a signal cut its start short: it sees `renewing` set
+                self.renewer.join()
         if self.held and self._read()[0] == self.held:  # still ours: not taken over
             data.remove(self.path, self.generation if self.remote else None)
         self.held = None

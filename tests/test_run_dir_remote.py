@@ -246,6 +246,24 @@ def test_one_writer_on_gcs_and_a_stale_lock_taken_over(bucket):
     assert not lock.exists()
 
 
+@pytest.mark.parametrize("started", [False, True])
+def test_a_signal_as_the_lock_is_taken_leaves_no_lock_behind(bucket, monkeypatch, started):
+    """A SIGTERM (here KeyboardInterrupt, as the handler's exception) lands as the lock's renewer starts:
+    before the thread ran, or once it did. Either way the signal is what propagates and the lock is gone."""
+
+    class CutShort(threading.Thread):
+        def start(self):
+            if started:
+                super().start()
+            raise KeyboardInterrupt
+
+    # ckpt's threads only: the emulator in this process starts one for each request it answers
+    monkeypatch.setattr(ckpt, "threading", types.SimpleNamespace(**vars(threading) | {"Thread": CutShort}))
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.RunLock(f"gs://{bucket.name}/run").__enter__()
+    assert not bucket.blob("run/lock").exists()
+
+
 def test_a_lock_renewal_rides_out_an_outage_shorter_than_the_lease(bucket, gcs_proxy):
     """The bucket out for 2 s as the holder renews its lease: the renewal waits it out and lands, at the
     generation the lock was written at, so the lock stays this process's."""
