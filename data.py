@@ -1870,10 +1870,18 @@ class Prefetcher:
         for _ in range(self.start, self.stop):
             t = time.perf_counter()
             with self.waiting():
-                i, batch, error = self._queue.get()
+                i, batch, error = self._next()
             if error is not None:
                 raise error
             yield i, batch, time.perf_counter() - t
+
+    def _next(self):
+        """The next item, waited for 0.1 s at a time: the kernel hands a process's signal to any of its threads,
+        and Python runs the handler in the main thread only once that runs Python again, which a wait on a
+        lock without end would never do (a read that never returns: a preemption unheard)."""
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return self._queue.get(timeout=0.1)
 
     def close(self):
         """Stop the thread at its next batch. A read in progress is waited for a second at most: storage that

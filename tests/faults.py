@@ -50,12 +50,14 @@ def kill():
 
 
 def term():
-    """SIGTERM to this process, once (a moment may come round again: a preemption's save of step S)."""
+    """SIGTERM to this process, once (a moment may come round again: a preemption's save of step S). It is
+    sent to the calling thread: the kernel may hand a process's signal to any of its threads, and one other
+    than the main thread (term_in_compile's timer, term_in_wait's reader) is the case to survive."""
     global termed
     if not termed:
         termed = True
         print(f"fault: SIGTERM at {time.time()}", flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
 def take_step(run, step, *args, **kwargs):
