@@ -805,16 +805,21 @@ def test_a_refused_value_is_named_by_its_flag_whatever_form_the_message_takes(mo
 
 
 def test_train_step_traces_once(tiny_data, tmp_path, monkeypatch):
+    """Six steps, a checkpoint and an evaluation between them: the step is traced once (rows of 64, one
+    evaluation batch: what is counted does not depend on the sizes)."""
     traces = []
     real = train.loss_fn
     monkeypatch.setattr(train, "loss_fn", lambda *a: traces.append(1) or real(*a))
     cfg = dataclasses.replace(
         train.PRESETS["tiny"],
+        seq_len=64,
+        global_batch=4,
+        eval_batches=1,
         steps=6,
         data_root=str(tiny_data),
         run_dir=str(tmp_path),
-        eval_every=100,
-        ckpt_every=100,
+        eval_every=3,
+        ckpt_every=3,
         samples=0,
     )
     assert train.main(cfg) == 0
